@@ -1,0 +1,301 @@
+//! The per-sequence KV cache and the batch layout of one forward pass.
+//!
+//! Every sequence owns its cache ([`SeqCache`]), holding only its real tokens, one slot per
+//! attention invocation of a forward pass. A batch is assembled for each forward pass from
+//! whichever sequences are running, so sequences can join and leave between decode steps
+//! (continuous batching). Rows are left-padded to the longest new input; the additive
+//! attention mask hides padding, future tokens, and, for prefix-LM models, lets the prompt
+//! block attend to itself in both directions.
+
+use candle_core::{D, DType, Device, Result, Tensor};
+
+use crate::Logits;
+
+/// The keys and values of one sequence, per attention slot: `[1, kv_heads, len, head_dim]`.
+#[derive(Clone, Debug)]
+pub struct SeqCache {
+    slots: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+}
+
+impl SeqCache {
+    pub fn new(num_slots: usize) -> Self {
+        Self {
+            slots: vec![None; num_slots],
+            len: 0,
+        }
+    }
+
+    /// Tokens cached so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes held by the cached tensors.
+    pub fn bytes(&self) -> usize {
+        self.slots
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+            .sum()
+    }
+
+    fn append(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let Some(entry) = self.slots.get_mut(slot) else {
+            candle_core::bail!("KV-cache slot {slot} out of range ({})", self.slots.len())
+        };
+        let (k, v) = match entry.take() {
+            None => (k.contiguous()?, v.contiguous()?),
+            Some((pk, pv)) => (Tensor::cat(&[&pk, k], 2)?, Tensor::cat(&[&pv, v], 2)?),
+        };
+        *entry = Some((k.clone(), v.clone()));
+        Ok((k, v))
+    }
+}
+
+/// Where each row of a batch stands: how much padding precedes its new tokens, how many
+/// tokens it already has cached, and how many of its new tokens form a bidirectional block.
+#[derive(Clone, Debug)]
+pub struct RowLayout {
+    pub padding: usize,
+    pub past: usize,
+    /// Leading new tokens that attend to each other in both directions (prefix-LM prompt).
+    /// Only meaningful on a row's first pass (`past == 0`), as in transformers.
+    pub block: usize,
+}
+
+/// One forward pass: token ids, their positions, the mask, and the caches to extend.
+pub struct ForwardBatch<'c> {
+    pub input_ids: Tensor,
+    /// Absolute position of every input token, `[batch * seq_len]` as u32 (0 for padding).
+    pub positions: Tensor,
+    /// Additive mask `[batch, 1, seq_len, kv_len]`, or `None` when nothing needs hiding.
+    pub mask: Option<Tensor>,
+    pub logits: Logits,
+    rows: Vec<RowLayout>,
+    caches: Vec<&'c mut SeqCache>,
+    seq_len: usize,
+    kv_len: usize,
+}
+
+impl<'c> ForwardBatch<'c> {
+    /// A batch of new tokens per row. With `caches` (one per row), the pass extends them;
+    /// with an empty `caches`, it is a full pass over `tokens` alone. `blocks[i]` is the length of
+    /// row `i`'s bidirectional prefix (0 for a causal row).
+    pub fn new(
+        tokens: &[Vec<u32>],
+        blocks: &[usize],
+        caches: Vec<&'c mut SeqCache>,
+        logits: Logits,
+        device: &Device,
+        dtype: DType,
+    ) -> Result<Self> {
+        let batch = tokens.len();
+        if batch == 0 || tokens.iter().any(|t| t.is_empty()) {
+            candle_core::bail!("a forward batch needs at least one row and one token per row")
+        }
+        if blocks.len() != batch || !(caches.is_empty() || caches.len() == batch) {
+            candle_core::bail!("forward batch: {batch} rows but {} blocks and {} caches", blocks.len(), caches.len())
+        }
+        let seq_len = tokens.iter().map(Vec::len).max().unwrap_or(0);
+        let rows: Vec<RowLayout> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| {
+                let past = caches.get(i).map_or(0, |c| c.len());
+                RowLayout {
+                    padding: seq_len - t.len(),
+                    past,
+                    block: if past == 0 { blocks[i].min(t.len()) } else { 0 },
+                }
+            })
+            .collect();
+        let kv_len = rows.iter().map(|r| r.past + seq_len - r.padding).max().unwrap_or(0);
+
+        let mut ids = Vec::with_capacity(batch * seq_len);
+        let mut positions = Vec::with_capacity(batch * seq_len);
+        for (t, row) in tokens.iter().zip(&rows) {
+            ids.extend(std::iter::repeat_n(0u32, row.padding));
+            ids.extend_from_slice(t);
+            positions.extend(std::iter::repeat_n(0u32, row.padding));
+            positions.extend((0..t.len()).map(|j| (row.past + j) as u32));
+        }
+        let input_ids = Tensor::from_vec(ids, (batch, seq_len), device)?;
+        let positions = Tensor::from_vec(positions, batch * seq_len, device)?;
+        let mask = build_mask(&rows, seq_len, kv_len, device, dtype)?;
+        Ok(Self {
+            input_ids,
+            positions,
+            mask,
+            logits,
+            rows,
+            caches,
+            seq_len,
+            kv_len,
+        })
+    }
+
+    pub fn batch_size(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn seq_len(&self) -> usize {
+        self.seq_len
+    }
+
+    pub fn rows(&self) -> &[RowLayout] {
+        &self.rows
+    }
+
+    /// Appends this pass's keys and values (`[batch, kv_heads, seq_len, head_dim]`) to every
+    /// row's cache slot and returns the keys and values attention must read, left-padded to a
+    /// common length. Without caches, returns the inputs unchanged.
+    pub fn attend_to(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        if self.caches.is_empty() {
+            return Ok((k.clone(), v.clone()));
+        }
+        let mut keys = Vec::with_capacity(self.rows.len());
+        let mut values = Vec::with_capacity(self.rows.len());
+        for (i, (row, cache)) in self.rows.iter().zip(self.caches.iter_mut()).enumerate() {
+            let new = self.seq_len - row.padding;
+            let k_row = k.narrow(0, i, 1)?.narrow(2, row.padding, new)?;
+            let v_row = v.narrow(0, i, 1)?.narrow(2, row.padding, new)?;
+            let (k_all, v_all) = cache.append(slot, &k_row, &v_row)?;
+            let missing = self.kv_len - k_all.dim(2)?;
+            keys.push(pad_left(&k_all, missing)?);
+            values.push(pad_left(&v_all, missing)?);
+        }
+        if keys.len() == 1 {
+            return Ok((keys.remove(0), values.remove(0)));
+        }
+        Ok((Tensor::cat(&keys, 0)?, Tensor::cat(&values, 0)?))
+    }
+
+    /// Records that every cache now holds this pass's tokens. Called once after the pass.
+    pub fn commit(&mut self) {
+        for (row, cache) in self.rows.iter().zip(self.caches.iter_mut()) {
+            cache.len = row.past + self.seq_len - row.padding;
+        }
+    }
+}
+
+fn pad_left(t: &Tensor, missing: usize) -> Result<Tensor> {
+    if missing == 0 {
+        return Ok(t.clone());
+    }
+    let (b, h, _, d) = t.dims4()?;
+    let zeros = Tensor::zeros((b, h, missing, d), t.dtype(), t.device())?;
+    Tensor::cat(&[&zeros, t], 2)
+}
+
+/// The additive mask for a batch, or `None` when every query may see every key.
+///
+/// Key `t` of row `i` is that row's token number `t - (kv_len - total_i)`; query `j` is its token
+/// number `past_i + j - padding_i`. A query sees a key when the key is real and not in its future,
+/// or when both lie inside the row's bidirectional block. Hidden entries get the dtype's minimum
+/// (as transformers does) rather than -inf, so a padding row's softmax stays finite.
+fn build_mask(
+    rows: &[RowLayout],
+    seq_len: usize,
+    kv_len: usize,
+    device: &Device,
+    dtype: DType,
+) -> Result<Option<Tensor>> {
+    let mut allowed = vec![true; rows.len() * seq_len * kv_len];
+    let mut any_hidden = false;
+    for (i, row) in rows.iter().enumerate() {
+        let total = row.past + seq_len - row.padding;
+        let key_start = kv_len - total;
+        for j in 0..seq_len {
+            for t in 0..kv_len {
+                let visible = j >= row.padding && t >= key_start && {
+                    let query = row.past + j - row.padding;
+                    let key = t - key_start;
+                    key <= query || (key < row.block && query < row.block)
+                };
+                if !visible {
+                    allowed[(i * seq_len + j) * kv_len + t] = false;
+                    any_hidden = true;
+                }
+            }
+        }
+    }
+    if !any_hidden {
+        return Ok(None);
+    }
+    let hidden = match dtype {
+        DType::F16 => -65504.0,
+        DType::BF16 => -3.389_531_4e38,
+        _ => f32::MIN,
+    };
+    let values: Vec<f32> = allowed.iter().map(|&a| if a { 0.0 } else { hidden }).collect();
+    let mask = Tensor::from_vec(values, (rows.len(), 1, seq_len, kv_len), device)?;
+    mask.to_dtype(dtype).map(Some)
+}
+
+/// Softmax over the last dimension: candle's fused kernel for inference, the composed form
+/// (which has a backward pass) when gradients are being tracked.
+pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    if x.track_op() {
+        candle_nn::ops::softmax(x, D::Minus1)
+    } else {
+        candle_nn::ops::softmax_last_dim(x)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn visible(mask: &Option<Tensor>, b: usize, j: usize, t: usize) -> bool {
+        match mask {
+            None => true,
+            Some(m) => m.get(b).unwrap().get(0).unwrap().get(j).unwrap().get(t).unwrap().to_scalar::<f32>().unwrap() == 0.0,
+        }
+    }
+
+    #[test]
+    fn causal_prefill_with_left_padding() {
+        let rows = [
+            RowLayout { padding: 0, past: 0, block: 0 },
+            RowLayout { padding: 2, past: 0, block: 0 },
+        ];
+        let mask = build_mask(&rows, 3, 3, &Device::Cpu, DType::F32).unwrap();
+        // Row 0 is plainly causal.
+        assert!(visible(&mask, 0, 2, 0) && visible(&mask, 0, 1, 1) && !visible(&mask, 0, 0, 1));
+        // Row 1 has one real token at index 2; it sees only itself.
+        assert!(visible(&mask, 1, 2, 2) && !visible(&mask, 1, 2, 1) && !visible(&mask, 1, 2, 0));
+    }
+
+    #[test]
+    fn prefix_block_is_bidirectional_and_the_rest_causal() {
+        let rows = [RowLayout { padding: 0, past: 0, block: 2 }];
+        let mask = build_mask(&rows, 4, 4, &Device::Cpu, DType::F32).unwrap();
+        assert!(visible(&mask, 0, 0, 1), "prompt token sees a later prompt token");
+        assert!(!visible(&mask, 0, 0, 2), "prompt token does not see the continuation");
+        assert!(visible(&mask, 0, 3, 0) && visible(&mask, 0, 3, 3) && !visible(&mask, 0, 2, 3));
+    }
+
+    #[test]
+    fn decode_rows_with_different_histories() {
+        // Row 0 has 4 cached tokens, row 1 has 2; each adds one.
+        let rows = [
+            RowLayout { padding: 0, past: 4, block: 0 },
+            RowLayout { padding: 0, past: 2, block: 0 },
+        ];
+        let mask = build_mask(&rows, 1, 5, &Device::Cpu, DType::F32).unwrap();
+        assert!((0..5).all(|t| visible(&mask, 0, 0, t)));
+        assert!(!visible(&mask, 1, 0, 0) && !visible(&mask, 1, 0, 1));
+        assert!((2..5).all(|t| visible(&mask, 1, 0, t)));
+    }
+
+    #[test]
+    fn single_decode_row_needs_no_mask() {
+        let rows = [RowLayout { padding: 0, past: 7, block: 0 }];
+        assert!(build_mask(&rows, 1, 8, &Device::Cpu, DType::F32).unwrap().is_none());
+    }
+}

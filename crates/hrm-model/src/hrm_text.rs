@@ -1,0 +1,439 @@
+//! HRM-Text (`model_type: hrm_text`), as in transformers' `modeling_hrm_text.py`, and our
+//! mixture-of-experts variant (`model_type: hrm_text_moe`).
+//!
+//! Two transformer stacks of `num_layers_per_stack` blocks each, a slow high-level one (H) and a
+//! fast low-level one (L), are applied recurrently:
+//!
+//! ```text
+//! z_H = embed(ids) * embedding_scale        z_L = z_L_init (broadcast)
+//! for h in 0..H_cycles:
+//!     for l in 0..L_cycles:  z_L = L(z_L + z_H)
+//!     z_H = H(z_H + z_L)
+//! logits = lm_head(z_H)
+//! ```
+//!
+//! Each stack ends with its own norm; every norm is a weightless RMSNorm; attention has a
+//! sigmoid output gate; the MLP is SwiGLU (or, for `hrm_text_moe`, a mixture of SwiGLU experts).
+//! Every stack invocation has its own KV-cache slots: invocation `(h, l)` of the L stack uses
+//! slots `(h * (L_cycles + 1) + l) * layers + layer`, and the H stack at cycle `h` uses
+//! `(h * (L_cycles + 1) + L_cycles) * layers + layer`.
+//!
+//! During training only the last `L_bp_cycles` low-level iterations of each high-level cycle
+//! carry gradients; the earlier ones are detached, as transformers runs them under `no_grad`.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
+
+use crate::cache::ForwardBatch;
+use crate::layers::{
+    AttnContext, AttnInput, Attention, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm, RopeLayout,
+    Rotary, SwiGlu,
+};
+use crate::loader::ModelFamily;
+use crate::moe::MoeMlp;
+use crate::{CausalLm, Logits, ModelInfo, ModelOutput};
+
+/// `config.json` of an `hrm_text` or `hrm_text_moe` checkpoint.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct HrmTextConfig {
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    /// As saved by transformers: the KV-slot count `num_layers_per_stack * H_cycles * (L_cycles + 1)`.
+    /// A hand-written config without `num_layers_per_stack` gives the real depth here instead.
+    pub num_hidden_layers: usize,
+    #[serde(default)]
+    pub num_layers_per_stack: Option<usize>,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    #[serde(default = "default_hidden_act")]
+    pub hidden_act: String,
+    #[serde(default = "default_max_position_embeddings")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_initializer_range")]
+    pub initializer_range: f64,
+    #[serde(default = "default_rms_norm_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default)]
+    pub rope_parameters: Option<RopeParameters>,
+    /// transformers < 5 kept `rope_theta` at the top level.
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub mlp_bias: bool,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(rename = "H_cycles", default = "default_h_cycles")]
+    pub h_cycles: usize,
+    #[serde(rename = "L_cycles", default = "default_l_cycles")]
+    pub l_cycles: usize,
+    #[serde(rename = "L_bp_cycles", default)]
+    pub l_bp_cycles: Option<Vec<usize>>,
+    #[serde(default)]
+    pub embedding_scale: Option<f64>,
+    #[serde(default = "default_true")]
+    pub prefix_lm: bool,
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    #[serde(default)]
+    pub eos_token_id: Option<EosTokenId>,
+    #[serde(default)]
+    pub pad_token_id: Option<u32>,
+    /// `hrm_text_moe` only: experts per block.
+    #[serde(default)]
+    pub num_experts: Option<usize>,
+    /// `hrm_text_moe` only: experts each token is routed to.
+    #[serde(default)]
+    pub num_experts_per_tok: Option<usize>,
+    /// `hrm_text_moe` only: weight of the load-balancing loss in the training objective.
+    #[serde(default)]
+    pub router_aux_loss_coef: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RopeParameters {
+    pub rope_theta: f64,
+    #[serde(default = "default_rope_type")]
+    pub rope_type: String,
+}
+
+/// `eos_token_id` may be one id or a list.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum EosTokenId {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl EosTokenId {
+    pub fn ids(&self) -> Vec<u32> {
+        match self {
+            Self::One(id) => vec![*id],
+            Self::Many(ids) => ids.clone(),
+        }
+    }
+}
+
+fn default_hidden_act() -> String {
+    "silu".into()
+}
+fn default_max_position_embeddings() -> usize {
+    2048
+}
+fn default_initializer_range() -> f64 {
+    0.02
+}
+fn default_rms_norm_eps() -> f64 {
+    1e-6
+}
+fn default_h_cycles() -> usize {
+    2
+}
+fn default_l_cycles() -> usize {
+    3
+}
+fn default_true() -> bool {
+    true
+}
+fn default_rope_type() -> String {
+    "default".into()
+}
+
+impl HrmTextConfig {
+    pub fn from_file(path: &Path) -> crate::Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| crate::Error::io(path, e))?;
+        let config: Self = serde_json::from_str(&text).map_err(|e| crate::Error::Config {
+            path: path.into(),
+            message: e.to_string(),
+        })?;
+        config.validate().map_err(|message| crate::Error::Config {
+            path: path.into(),
+            message,
+        })?;
+        Ok(config)
+    }
+
+    /// Every rule a config must meet before a model is built from it.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.model_type != "hrm_text" && self.model_type != "hrm_text_moe" {
+            return Err(format!("model_type {:?} is not hrm_text or hrm_text_moe", self.model_type));
+        }
+        if self.hidden_act != "silu" {
+            return Err(format!("hidden_act {:?} is not supported (only silu)", self.hidden_act));
+        }
+        if self.attention_bias || self.mlp_bias {
+            return Err("attention_bias and mlp_bias are not supported by the hrm_text checkpoint format".into());
+        }
+        if self.h_cycles == 0 || self.l_cycles == 0 {
+            return Err("H_cycles and L_cycles must be at least 1".into());
+        }
+        if self.layers_per_stack() == 0 {
+            return Err("num_layers_per_stack must be at least 1".into());
+        }
+        if let Some(rope) = &self.rope_parameters
+            && rope.rope_type != "default"
+        {
+            return Err(format!("rope_type {:?} is not supported (only default)", rope.rope_type));
+        }
+        if self.is_moe() {
+            let experts = self.num_experts.unwrap_or(0);
+            let top_k = self.num_experts_per_tok.unwrap_or(0);
+            if experts == 0 || top_k == 0 || top_k > experts {
+                return Err(format!(
+                    "hrm_text_moe needs 1 <= num_experts_per_tok ({top_k}) <= num_experts ({experts})"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    pub fn is_moe(&self) -> bool {
+        self.model_type == "hrm_text_moe"
+    }
+
+    /// The real depth of each stack.
+    pub fn layers_per_stack(&self) -> usize {
+        self.num_layers_per_stack.unwrap_or(self.num_hidden_layers)
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    pub fn rope_theta(&self) -> f64 {
+        self.rope_parameters
+            .as_ref()
+            .map(|r| r.rope_theta)
+            .or(self.rope_theta)
+            .unwrap_or(10_000.0)
+    }
+
+    pub fn embedding_scale(&self) -> f64 {
+        self.embedding_scale.unwrap_or(1.0 / self.initializer_range)
+    }
+
+    /// KV-cache slots per sequence: one per stack invocation and layer.
+    pub fn cache_slots(&self) -> usize {
+        self.layers_per_stack() * self.h_cycles * (self.l_cycles + 1)
+    }
+
+    /// `L_bp_cycles` left-padded with 1s to one entry per high-level cycle, as transformers does.
+    pub fn grad_cycles(&self) -> Vec<usize> {
+        let raw = self.l_bp_cycles.clone().unwrap_or_else(|| vec![2]);
+        let mut padded = vec![1; self.l_cycles.saturating_sub(raw.len())];
+        padded.extend(raw);
+        padded
+    }
+
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        self.eos_token_id.as_ref().map(EosTokenId::ids).unwrap_or_default()
+    }
+}
+
+/// One of the two recurrent stacks.
+#[derive(Clone, Debug)]
+struct Stack {
+    layers: Vec<DecoderLayer>,
+    final_norm: RmsNorm,
+}
+
+impl Stack {
+    fn load(vb: VarBuilder, cfg: &HrmTextConfig) -> Result<Self> {
+        let (hidden, heads, head_dim) = (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim());
+        let norm = || RmsNorm::new(None, hidden, cfg.rms_norm_eps, vb.device());
+        let layers = (0..cfg.layers_per_stack())
+            .map(|i| {
+                let vb = vb.pp("layers").pp(i);
+                let attn = Attention {
+                    input: AttnInput::FusedGqkv(Linear::load(vb.pp("attn.gqkv_proj"), hidden, 4 * heads * head_dim)?),
+                    o_proj: Linear::load(vb.pp("attn.o_proj"), heads * head_dim, hidden)?,
+                    num_heads: heads,
+                    num_kv_heads: heads,
+                    head_dim,
+                };
+                let mlp = if cfg.is_moe() {
+                    FeedForward::Experts(MoeMlp::load(
+                        vb.pp("mlp"),
+                        hidden,
+                        cfg.intermediate_size,
+                        cfg.num_experts.unwrap_or(1),
+                        cfg.num_experts_per_tok.unwrap_or(1),
+                    )?)
+                } else {
+                    FeedForward::Dense(SwiGlu {
+                        gate_up: GateUp::Fused(Linear::load(
+                            vb.pp("mlp.gate_up_proj"),
+                            hidden,
+                            2 * cfg.intermediate_size,
+                        )?),
+                        down: Linear::load(vb.pp("mlp.down_proj"), cfg.intermediate_size, hidden)?,
+                    })
+                };
+                Ok(DecoderLayer {
+                    input_norm: norm()?,
+                    attn,
+                    post_attention_norm: norm()?,
+                    mlp,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            layers,
+            final_norm: norm()?,
+        })
+    }
+
+    fn forward(
+        &self,
+        mut x: Tensor,
+        batch: &mut ForwardBatch<'_>,
+        ctx: &AttnContext<'_>,
+        first_slot: usize,
+        aux: &mut Vec<Tensor>,
+    ) -> Result<Tensor> {
+        for (i, layer) in self.layers.iter().enumerate() {
+            let (next, layer_aux) = layer.forward(&x, batch, ctx, first_slot + i)?;
+            aux.extend(layer_aux);
+            x = next;
+        }
+        self.final_norm.forward(&x)
+    }
+}
+
+/// An `HrmTextForCausalLM` (dense or mixture-of-experts).
+#[derive(Clone, Debug)]
+pub struct HrmText {
+    config: HrmTextConfig,
+    embed_tokens: candle_nn::Embedding,
+    z_l_init: Tensor,
+    low: Stack,
+    high: Stack,
+    lm_head: Linear,
+    rotary: Rotary,
+    info: ModelInfo,
+}
+
+impl HrmText {
+    /// Builds the model from a var builder rooted at the checkpoint's top level (`model.*`,
+    /// `lm_head.*`). Works for loading (mmaped safetensors) and for training (a `VarMap`).
+    pub fn new(config: HrmTextConfig, vb: VarBuilder) -> Result<Self> {
+        config.validate().map_err(candle_core::Error::msg)?;
+        let hidden = config.hidden_size;
+        let model = vb.pp("model");
+        let embed_tokens = candle_nn::embedding(config.vocab_size, hidden, model.pp("embed_tokens"))?;
+        let lm_head = if config.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
+            Linear::Dense(candle_nn::Linear::new(embed_tokens.embeddings().clone(), None))
+        } else {
+            Linear::load(vb.pp("lm_head"), hidden, config.vocab_size)?
+        };
+        let z_l_init = model.get(hidden, "z_L_init")?;
+        let low = Stack::load(model.pp("L_module"), &config)?;
+        let high = Stack::load(model.pp("H_module"), &config)?;
+        let rotary = Rotary::new(config.head_dim(), config.rope_theta(), RopeLayout::Halves, vb.device())?;
+
+        let per_token: usize = low
+            .layers
+            .iter()
+            .map(DecoderLayer::weight_bytes_per_token)
+            .sum::<usize>()
+            * config.h_cycles
+            * config.l_cycles
+            + high.layers.iter().map(DecoderLayer::weight_bytes_per_token).sum::<usize>() * config.h_cycles;
+        let info = ModelInfo {
+            family: if config.is_moe() {
+                ModelFamily::HrmTextMoe
+            } else {
+                ModelFamily::HrmText
+            },
+            vocab_size: config.vocab_size,
+            max_position_embeddings: config.max_position_embeddings,
+            prefix_lm: config.prefix_lm,
+            cache_slots: config.cache_slots(),
+            num_parameters: 0,
+            weight_bytes: per_token + lm_head.weight_bytes() + hidden * vb.dtype().size_in_bytes(),
+            dtype: vb.dtype(),
+            device: vb.device().clone(),
+        };
+        Ok(Self {
+            config,
+            embed_tokens,
+            z_l_init,
+            low,
+            high,
+            lm_head,
+            rotary,
+            info,
+        })
+    }
+
+    pub fn config(&self) -> &HrmTextConfig {
+        &self.config
+    }
+
+    pub(crate) fn set_num_parameters(&mut self, n: usize) {
+        self.info.num_parameters = n;
+    }
+
+    /// The device and dtype the weights live on.
+    pub fn placement(&self) -> (Device, DType) {
+        (self.info.device.clone(), self.info.dtype)
+    }
+}
+
+impl CausalLm for HrmText {
+    fn forward(&self, batch: &mut ForwardBatch<'_>) -> Result<ModelOutput> {
+        let cfg = &self.config;
+        let dtype = self.info.dtype;
+        let (cos, sin) = self.rotary.angles(batch, dtype)?;
+        let ctx = AttnContext {
+            cos: &cos,
+            sin: &sin,
+            rotary: &self.rotary,
+        };
+        let layers = cfg.layers_per_stack();
+        let mut aux = Vec::new();
+
+        let embeds = self.embed_tokens.forward(&batch.input_ids)?;
+        let mut z_high = (embeds * cfg.embedding_scale())?;
+        let mut z_low = self.z_l_init.to_dtype(dtype)?.broadcast_as(z_high.shape())?.contiguous()?;
+        let grad_cycles = cfg.grad_cycles();
+        for h in 0..cfg.h_cycles {
+            // transformers indexes the padded list by the high-level cycle.
+            let detached_below = cfg.l_cycles.saturating_sub(grad_cycles.get(h).copied().unwrap_or(1));
+            for l in 0..cfg.l_cycles {
+                let slot = (h * (cfg.l_cycles + 1) + l) * layers;
+                z_low = self.low.forward((&z_low + &z_high)?, batch, &ctx, slot, &mut aux)?;
+                if l < detached_below {
+                    z_low = z_low.detach();
+                }
+            }
+            let slot = (h * (cfg.l_cycles + 1) + cfg.l_cycles) * layers;
+            z_high = self.high.forward((&z_high + &z_low)?, batch, &ctx, slot, &mut aux)?;
+        }
+        batch.commit();
+
+        let hidden = match batch.logits {
+            Logits::All => z_high,
+            Logits::Last => z_high.narrow(1, batch.seq_len() - 1, 1)?,
+        };
+        let logits = self.lm_head.forward(&hidden)?;
+        let aux_loss = if aux.is_empty() {
+            None
+        } else {
+            let n = aux.len() as f64;
+            Some((Tensor::stack(&aux, 0)?.sum_all()? / n)?)
+        };
+        Ok(ModelOutput { logits, aux_loss })
+    }
+
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+}

@@ -1,0 +1,328 @@
+//! Building blocks shared by every architecture: projections (dense or quantised), RMSNorm,
+//! rotary embeddings, attention over the batch's KV caches, the SwiGLU MLP and the pre-norm
+//! decoder block.
+//!
+//! Where candle has a fused kernel without a backward pass (RMSNorm, RoPE, softmax), the op
+//! picks the fused kernel for inference and the composed form when gradients are tracked, so
+//! training and inference share the same model code.
+
+use candle_core::quantized::QMatMul;
+use candle_core::{D, DType, Module, Result, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::cache::{ForwardBatch, softmax_last_dim};
+use crate::moe::MoeMlp;
+
+/// A bias-free linear projection, dense or GGUF-quantised.
+#[derive(Clone, Debug)]
+pub enum Linear {
+    Dense(candle_nn::Linear),
+    Quantized(QMatMul),
+}
+
+impl Linear {
+    pub fn load(vb: VarBuilder, in_dim: usize, out_dim: usize) -> Result<Self> {
+        Ok(Self::Dense(candle_nn::linear_no_bias(in_dim, out_dim, vb)?))
+    }
+
+    /// Bytes of weights read by one application.
+    pub fn weight_bytes(&self) -> usize {
+        match self {
+            Self::Dense(l) => l.weight().elem_count() * l.weight().dtype().size_in_bytes(),
+            Self::Quantized(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
+            Self::Quantized(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
+                t.elem_count() * t.dtype().size_in_bytes()
+            }
+        }
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Self::Dense(l) => l.forward(x),
+            Self::Quantized(q) => q.forward(x),
+        }
+    }
+}
+
+/// Root-mean-square norm computed in f32, with an optional learned scale (HRM-Text's is
+/// weightless, Llama's is not).
+#[derive(Clone, Debug)]
+pub struct RmsNorm {
+    weight: Option<Tensor>,
+    /// All-ones scale for the fused kernel when the norm is weightless.
+    unit: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(weight: Option<Tensor>, hidden: usize, eps: f64, device: &candle_core::Device) -> Result<Self> {
+        Ok(Self {
+            weight,
+            unit: Tensor::ones(hidden, DType::F32, device)?,
+            eps,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dtype = x.dtype();
+        let xf = x.to_dtype(DType::F32)?;
+        let normed = if xf.track_op() || self.weight.as_ref().is_some_and(|w| w.track_op()) {
+            let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
+            xf.broadcast_div(&(ms + self.eps)?.sqrt()?)?
+        } else {
+            candle_nn::ops::rms_norm(&xf.contiguous()?, &self.unit, self.eps as f32)?
+        };
+        // transformers casts back before applying the weight (`weight * x.to(dtype)`).
+        let normed = normed.to_dtype(dtype)?;
+        match &self.weight {
+            Some(w) => normed.broadcast_mul(w),
+            None => Ok(normed),
+        }
+    }
+}
+
+/// How a checkpoint lays out the rotary pairs of each head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeLayout {
+    /// Hugging Face: the first and second halves of a head are the pairs (`rotate_half`).
+    Halves,
+    /// GGUF / llama.cpp: adjacent elements are the pairs.
+    Interleaved,
+}
+
+/// Rotary position embeddings, computed for the batch's positions on each pass (so there is
+/// no table to outgrow), exactly as transformers does: `inv_freq` and the angles in f32.
+#[derive(Clone, Debug)]
+pub struct Rotary {
+    inv_freq: Tensor,
+    layout: RopeLayout,
+}
+
+impl Rotary {
+    pub fn new(head_dim: usize, theta: f64, layout: RopeLayout, device: &candle_core::Device) -> Result<Self> {
+        let base = theta as f32;
+        let inv_freq: Vec<f32> = (0..head_dim)
+            .step_by(2)
+            .map(|i| 1.0 / base.powf(i as f32 / head_dim as f32))
+            .collect();
+        let len = inv_freq.len();
+        Ok(Self {
+            inv_freq: Tensor::from_vec(inv_freq, (1, len), device)?,
+            layout,
+        })
+    }
+
+    /// `(cos, sin)` of shape `[batch, seq_len, head_dim / 2]` for the batch's positions.
+    pub fn angles(&self, batch: &ForwardBatch<'_>, dtype: DType) -> Result<(Tensor, Tensor)> {
+        let (b, s) = (batch.batch_size(), batch.seq_len());
+        let pos = batch.positions.to_dtype(DType::F32)?.unsqueeze(1)?;
+        let freqs = pos.broadcast_mul(&self.inv_freq)?.reshape((b, s, ()))?;
+        Ok((freqs.cos()?.to_dtype(dtype)?, freqs.sin()?.to_dtype(dtype)?))
+    }
+
+    /// Rotates `x` of shape `[batch, heads, seq_len, head_dim]`.
+    pub fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let x = x.contiguous()?;
+        if !x.track_op() {
+            return match self.layout {
+                RopeLayout::Halves => candle_nn::rotary_emb::rope(&x, cos, sin),
+                RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin),
+            };
+        }
+        let (b, h, s, d) = x.dims4()?;
+        let cos = cos.unsqueeze(1)?;
+        let sin = sin.unsqueeze(1)?;
+        match self.layout {
+            RopeLayout::Halves => {
+                let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+                let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
+                let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+                let r2 = (x1.broadcast_mul(&sin)? + x2.broadcast_mul(&cos)?)?;
+                Tensor::cat(&[r1, r2], D::Minus1)
+            }
+            RopeLayout::Interleaved => {
+                let pairs = x.reshape((b, h, s, d / 2, 2))?;
+                let x1 = pairs.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?;
+                let x2 = pairs.narrow(D::Minus1, 1, 1)?.squeeze(D::Minus1)?;
+                let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+                let r2 = (x1.broadcast_mul(&sin)? + x2.broadcast_mul(&cos)?)?;
+                Tensor::stack(&[r1, r2], D::Minus1)?.reshape((b, h, s, d))
+            }
+        }
+    }
+}
+
+/// The attention input projections, as the checkpoint stores them.
+#[derive(Clone, Debug)]
+pub enum AttnInput {
+    /// One matrix producing `[gate, q, k, v]` (HRM-Text's `attn.gqkv_proj`).
+    FusedGqkv(Linear),
+    /// Separate q, k and v (Llama).
+    Split { q: Linear, k: Linear, v: Linear },
+}
+
+/// Multi-head attention with grouped-query heads and an optional sigmoid output gate.
+#[derive(Clone, Debug)]
+pub struct Attention {
+    pub input: AttnInput,
+    pub o_proj: Linear,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// What attention needs from the enclosing pass besides the hidden states.
+pub struct AttnContext<'a> {
+    pub cos: &'a Tensor,
+    pub sin: &'a Tensor,
+    pub rotary: &'a Rotary,
+}
+
+impl Attention {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        batch: &mut ForwardBatch<'_>,
+        ctx: &AttnContext<'_>,
+        slot: usize,
+    ) -> Result<Tensor> {
+        let (b, s, _) = x.dims3()?;
+        let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let (gate, q, k, v) = match &self.input {
+            AttnInput::FusedGqkv(proj) => {
+                let all = proj.forward(x)?;
+                let part = |i: usize| all.narrow(D::Minus1, i * h * d, h * d);
+                (Some(part(0)?), part(1)?, part(2)?, part(3)?)
+            }
+            AttnInput::Split { q, k, v } => (None, q.forward(x)?, k.forward(x)?, v.forward(x)?),
+        };
+        let q = q.reshape((b, s, h, d))?.transpose(1, 2)?;
+        let k = k.reshape((b, s, kvh, d))?.transpose(1, 2)?;
+        let v = v.reshape((b, s, kvh, d))?.transpose(1, 2)?.contiguous()?;
+        let q = ctx.rotary.apply(&q, ctx.cos, ctx.sin)?;
+        let k = ctx.rotary.apply(&k, ctx.cos, ctx.sin)?;
+
+        let (k, v) = batch.attend_to(slot, &k, &v)?;
+        let k = repeat_kv(k, h / kvh)?;
+        let v = repeat_kv(v, h / kvh)?;
+
+        let scale = 1.0 / (d as f64).sqrt();
+        let scores = (q.contiguous()?.matmul(&k.t()?)? * scale)?;
+        let scores = match &batch.mask {
+            Some(mask) => scores.broadcast_add(mask)?,
+            None => scores,
+        };
+        let probs = softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(q.dtype())?;
+        let out = probs.matmul(&v)?.transpose(1, 2)?; // [b, s, h, d]
+        let out = match gate {
+            Some(gate) => candle_nn::ops::sigmoid(&gate.reshape((b, s, h, d))?)?.mul(&out)?,
+            None => out,
+        };
+        self.o_proj.forward(&out.reshape((b, s, h * d))?)
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        let input = match &self.input {
+            AttnInput::FusedGqkv(p) => p.weight_bytes(),
+            AttnInput::Split { q, k, v } => q.weight_bytes() + k.weight_bytes() + v.weight_bytes(),
+        };
+        input + self.o_proj.weight_bytes()
+    }
+}
+
+fn repeat_kv(x: Tensor, groups: usize) -> Result<Tensor> {
+    if groups == 1 {
+        return Ok(x);
+    }
+    let (b, kvh, s, d) = x.dims4()?;
+    x.unsqueeze(2)?
+        .broadcast_as((b, kvh, groups, s, d))?
+        .reshape((b, kvh * groups, s, d))
+}
+
+/// The gate and up projections of a SwiGLU MLP, as the checkpoint stores them.
+#[derive(Clone, Debug)]
+pub enum GateUp {
+    /// One matrix producing `[gate, up]` (HRM-Text's `mlp.gate_up_proj`).
+    Fused(Linear),
+    Split { gate: Linear, up: Linear },
+}
+
+/// `down(silu(gate(x)) * up(x))`.
+#[derive(Clone, Debug)]
+pub struct SwiGlu {
+    pub gate_up: GateUp,
+    pub down: Linear,
+}
+
+impl SwiGlu {
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (gate, up) = match &self.gate_up {
+            GateUp::Fused(proj) => {
+                let both = proj.forward(x)?;
+                let half = both.dim(D::Minus1)? / 2;
+                (both.narrow(D::Minus1, 0, half)?, both.narrow(D::Minus1, half, half)?)
+            }
+            GateUp::Split { gate, up } => (gate.forward(x)?, up.forward(x)?),
+        };
+        self.down.forward(&(gate.silu()? * up)?)
+    }
+
+    pub fn weight_bytes(&self) -> usize {
+        let gate_up = match &self.gate_up {
+            GateUp::Fused(p) => p.weight_bytes(),
+            GateUp::Split { gate, up } => gate.weight_bytes() + up.weight_bytes(),
+        };
+        gate_up + self.down.weight_bytes()
+    }
+}
+
+/// The feed-forward half of a block: one SwiGLU, or a mixture of SwiGLU experts.
+#[derive(Clone, Debug)]
+pub enum FeedForward {
+    Dense(SwiGlu),
+    Experts(MoeMlp),
+}
+
+/// A pre-norm transformer block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+#[derive(Clone, Debug)]
+pub struct DecoderLayer {
+    pub input_norm: RmsNorm,
+    pub attn: Attention,
+    pub post_attention_norm: RmsNorm,
+    pub mlp: FeedForward,
+}
+
+impl DecoderLayer {
+    /// Returns the new hidden states and, for a mixture-of-experts block, its load-balancing loss.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        batch: &mut ForwardBatch<'_>,
+        ctx: &AttnContext<'_>,
+        slot: usize,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let attn = self.attn.forward(&self.input_norm.forward(x)?, batch, ctx, slot)?;
+        let x = (x + attn)?;
+        let normed = self.post_attention_norm.forward(&x)?;
+        let (mlp, aux) = match &self.mlp {
+            FeedForward::Dense(mlp) => (mlp.forward(&normed)?, None),
+            FeedForward::Experts(moe) => {
+                let (out, aux) = moe.forward(&normed)?;
+                (out, Some(aux))
+            }
+        };
+        Ok(((x + mlp)?, aux))
+    }
+
+    /// Bytes of weights one token reads through this block (for MoE, the active experts only).
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let mlp = match &self.mlp {
+            FeedForward::Dense(m) => m.weight_bytes(),
+            FeedForward::Experts(m) => m.active_weight_bytes(),
+        };
+        self.attn.weight_bytes() + mlp
+    }
+}

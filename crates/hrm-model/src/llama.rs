@@ -1,0 +1,382 @@
+//! Llama-family baselines: Hugging Face `LlamaForCausalLM` safetensors (grouped-query attention,
+//! optionally tied embeddings) and llama.cpp GGUF files, quantised or not.
+//!
+//! GGUF stores the q and k rows permuted for llama.cpp's interleaved rotary pairs, so GGUF models
+//! use [`RopeLayout::Interleaved`] on the stored weights instead of un-permuting them.
+
+use std::path::Path;
+
+use candle_core::quantized::{QMatMul, gguf_file};
+use candle_core::{DType, Device, Module, Result};
+use candle_nn::VarBuilder;
+use serde::{Deserialize, Serialize};
+
+use crate::cache::ForwardBatch;
+use crate::hrm_text::{EosTokenId, RopeParameters};
+use crate::layers::{
+    AttnContext, AttnInput, Attention, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm, RopeLayout,
+    Rotary, SwiGlu,
+};
+use crate::loader::ModelFamily;
+use crate::{CausalLm, Logits, ModelInfo, ModelOutput};
+
+/// `config.json` of a `llama` checkpoint.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    #[serde(default = "default_model_type")]
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    #[serde(default = "default_hidden_act")]
+    pub hidden_act: String,
+    #[serde(default = "default_max_position_embeddings")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_rms_norm_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default)]
+    pub rope_parameters: Option<RopeParameters>,
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub mlp_bias: bool,
+    #[serde(default)]
+    pub bos_token_id: Option<u32>,
+    #[serde(default)]
+    pub eos_token_id: Option<EosTokenId>,
+}
+
+fn default_model_type() -> String {
+    "llama".into()
+}
+fn default_hidden_act() -> String {
+    "silu".into()
+}
+fn default_max_position_embeddings() -> usize {
+    2048
+}
+fn default_rms_norm_eps() -> f64 {
+    1e-6
+}
+
+impl LlamaConfig {
+    pub fn from_file(path: &Path) -> crate::Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| crate::Error::io(path, e))?;
+        let config: Self = serde_json::from_str(&text).map_err(|e| crate::Error::Config {
+            path: path.into(),
+            message: e.to_string(),
+        })?;
+        config.validate().map_err(|message| crate::Error::Config {
+            path: path.into(),
+            message,
+        })?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        if self.hidden_act != "silu" {
+            return Err(format!("hidden_act {:?} is not supported (only silu)", self.hidden_act));
+        }
+        if self.attention_bias || self.mlp_bias {
+            return Err("attention_bias and mlp_bias are not supported".into());
+        }
+        if let Some(rope) = &self.rope_parameters
+            && rope.rope_type != "default"
+        {
+            return Err(format!("rope_type {:?} is not supported (only default)", rope.rope_type));
+        }
+        if self.num_attention_heads % self.kv_heads() != 0 {
+            return Err(format!(
+                "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
+                self.num_attention_heads,
+                self.kv_heads()
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+
+    pub fn rope_theta(&self) -> f64 {
+        self.rope_parameters
+            .as_ref()
+            .map(|r| r.rope_theta)
+            .or(self.rope_theta)
+            .unwrap_or(10_000.0)
+    }
+
+    pub fn eos_token_ids(&self) -> Vec<u32> {
+        self.eos_token_id.as_ref().map(EosTokenId::ids).unwrap_or_default()
+    }
+}
+
+/// A `LlamaForCausalLM`, from safetensors or GGUF.
+#[derive(Clone, Debug)]
+pub struct Llama {
+    embed_tokens: candle_nn::Embedding,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rotary: Rotary,
+    info: ModelInfo,
+}
+
+impl Llama {
+    /// Builds the model from Hugging Face tensor names (`model.layers.{i}...`).
+    pub fn new(config: &LlamaConfig, vb: VarBuilder) -> Result<Self> {
+        config.validate().map_err(candle_core::Error::msg)?;
+        let (hidden, heads, kv_heads, head_dim) = (
+            config.hidden_size,
+            config.num_attention_heads,
+            config.kv_heads(),
+            config.head_dim(),
+        );
+        let model = vb.pp("model");
+        let embed_tokens = candle_nn::embedding(config.vocab_size, hidden, model.pp("embed_tokens"))?;
+        let layers = (0..config.num_hidden_layers)
+            .map(|i| {
+                let vb = model.pp("layers").pp(i);
+                let attn = vb.pp("self_attn");
+                let mlp = vb.pp("mlp");
+                Ok(DecoderLayer {
+                    input_norm: norm(vb.pp("input_layernorm"), hidden, config.rms_norm_eps)?,
+                    attn: Attention {
+                        input: AttnInput::Split {
+                            q: Linear::load(attn.pp("q_proj"), hidden, heads * head_dim)?,
+                            k: Linear::load(attn.pp("k_proj"), hidden, kv_heads * head_dim)?,
+                            v: Linear::load(attn.pp("v_proj"), hidden, kv_heads * head_dim)?,
+                        },
+                        o_proj: Linear::load(attn.pp("o_proj"), heads * head_dim, hidden)?,
+                        num_heads: heads,
+                        num_kv_heads: kv_heads,
+                        head_dim,
+                    },
+                    post_attention_norm: norm(vb.pp("post_attention_layernorm"), hidden, config.rms_norm_eps)?,
+                    mlp: FeedForward::Dense(SwiGlu {
+                        gate_up: GateUp::Split {
+                            gate: Linear::load(mlp.pp("gate_proj"), hidden, config.intermediate_size)?,
+                            up: Linear::load(mlp.pp("up_proj"), hidden, config.intermediate_size)?,
+                        },
+                        down: Linear::load(mlp.pp("down_proj"), config.intermediate_size, hidden)?,
+                    }),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let final_norm = norm(model.pp("norm"), hidden, config.rms_norm_eps)?;
+        let lm_head = if config.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
+            Linear::Dense(candle_nn::Linear::new(embed_tokens.embeddings().clone(), None))
+        } else {
+            Linear::load(vb.pp("lm_head"), hidden, config.vocab_size)?
+        };
+        let rotary = Rotary::new(head_dim, config.rope_theta(), RopeLayout::Halves, vb.device())?;
+        Ok(Self::assemble(
+            embed_tokens,
+            layers,
+            final_norm,
+            lm_head,
+            rotary,
+            config.vocab_size,
+            config.max_position_embeddings,
+            vb.dtype(),
+            vb.device(),
+        ))
+    }
+
+    /// Loads a llama.cpp GGUF file (`general.architecture == "llama"`). Quantised matrices stay
+    /// quantised; the token embedding is dequantised for lookups, as in llama.cpp.
+    pub fn from_gguf(
+        content: &gguf_file::Content,
+        reader: &mut std::fs::File,
+        device: &Device,
+    ) -> crate::Result<(Self, LlamaConfig)> {
+        let md = |key: &str| {
+            content
+                .metadata
+                .get(key)
+                .ok_or_else(|| candle_core::Error::msg(format!("GGUF metadata {key} is missing")))
+        };
+        let arch = md("general.architecture")?.to_string()?.clone();
+        if arch != "llama" {
+            return Err(candle_core::Error::msg(format!(
+                "GGUF architecture {arch:?} is not supported (only llama)"
+            ))
+            .into());
+        }
+        let u = |key: &str| -> Result<usize> { Ok(md(key)?.to_u32()? as usize) };
+        let heads = u("llama.attention.head_count")?;
+        let kv_heads = u("llama.attention.head_count_kv")?;
+        let hidden = u("llama.embedding_length")?;
+        let layers_n = u("llama.block_count")?;
+        let eps = md("llama.attention.layer_norm_rms_epsilon")?.to_f32()? as f64;
+        let theta = md("llama.rope.freq_base").and_then(|v| v.to_f32()).unwrap_or(10_000.0) as f64;
+        let context = u("llama.context_length").unwrap_or(2048);
+        let head_dim = u("llama.rope.dimension_count").unwrap_or(hidden / heads);
+
+        let mut tensor = |name: &str| content.tensor(reader, name, device);
+        let embed_q = tensor("token_embd.weight")?;
+        let vocab = embed_q.shape().dims()[0];
+        let embed = embed_q.dequantize(device)?;
+        let embed_tokens = candle_nn::Embedding::new(embed, hidden);
+        let mut layers = Vec::with_capacity(layers_n);
+        for i in 0..layers_n {
+            let mut q = |suffix: &str| -> Result<Linear> {
+                Ok(Linear::Quantized(QMatMul::from_qtensor(tensor(&format!("blk.{i}.{suffix}.weight"))?)?))
+            };
+            let input = AttnInput::Split {
+                q: q("attn_q")?,
+                k: q("attn_k")?,
+                v: q("attn_v")?,
+            };
+            let o_proj = q("attn_output")?;
+            let gate_up = GateUp::Split {
+                gate: q("ffn_gate")?,
+                up: q("ffn_up")?,
+            };
+            let down = q("ffn_down")?;
+            let attn_norm = tensor(&format!("blk.{i}.attn_norm.weight"))?.dequantize(device)?;
+            let ffn_norm = tensor(&format!("blk.{i}.ffn_norm.weight"))?.dequantize(device)?;
+            layers.push(DecoderLayer {
+                input_norm: RmsNorm::new(Some(attn_norm), hidden, eps, device)?,
+                attn: Attention {
+                    input,
+                    o_proj,
+                    num_heads: heads,
+                    num_kv_heads: kv_heads,
+                    head_dim,
+                },
+                post_attention_norm: RmsNorm::new(Some(ffn_norm), hidden, eps, device)?,
+                mlp: FeedForward::Dense(SwiGlu { gate_up, down }),
+            });
+        }
+        let final_norm = RmsNorm::new(Some(tensor("output_norm.weight")?.dequantize(device)?), hidden, eps, device)?;
+        let tied = !content.tensor_infos.contains_key("output.weight");
+        let lm_head = Linear::Quantized(QMatMul::from_qtensor(if tied {
+            tensor("token_embd.weight")?
+        } else {
+            tensor("output.weight")?
+        })?);
+        let rotary = Rotary::new(head_dim, theta, RopeLayout::Interleaved, device)?;
+        let config = LlamaConfig {
+            model_type: "llama".into(),
+            vocab_size: vocab,
+            hidden_size: hidden,
+            intermediate_size: 0,
+            num_hidden_layers: layers_n,
+            num_attention_heads: heads,
+            num_key_value_heads: Some(kv_heads),
+            head_dim: Some(head_dim),
+            hidden_act: "silu".into(),
+            max_position_embeddings: context,
+            rms_norm_eps: eps,
+            rope_parameters: None,
+            rope_theta: Some(theta),
+            tie_word_embeddings: tied,
+            attention_bias: false,
+            mlp_bias: false,
+            bos_token_id: None,
+            eos_token_id: None,
+        };
+        let model = Self::assemble(
+            embed_tokens,
+            layers,
+            final_norm,
+            lm_head,
+            rotary,
+            vocab,
+            context,
+            DType::F32,
+            device,
+        );
+        Ok((model, config))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn assemble(
+        embed_tokens: candle_nn::Embedding,
+        layers: Vec<DecoderLayer>,
+        norm: RmsNorm,
+        lm_head: Linear,
+        rotary: Rotary,
+        vocab_size: usize,
+        max_position_embeddings: usize,
+        dtype: DType,
+        device: &Device,
+    ) -> Self {
+        let weight_bytes = layers.iter().map(DecoderLayer::weight_bytes_per_token).sum::<usize>()
+            + lm_head.weight_bytes();
+        let info = ModelInfo {
+            family: ModelFamily::Llama,
+            vocab_size,
+            max_position_embeddings,
+            prefix_lm: false,
+            cache_slots: layers.len(),
+            num_parameters: 0,
+            weight_bytes,
+            dtype,
+            device: device.clone(),
+        };
+        Self {
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rotary,
+            info,
+        }
+    }
+
+    pub(crate) fn set_num_parameters(&mut self, n: usize) {
+        self.info.num_parameters = n;
+    }
+}
+
+fn norm(vb: VarBuilder, hidden: usize, eps: f64) -> Result<RmsNorm> {
+    let weight = vb.get_with_hints(hidden, "weight", candle_nn::Init::Const(1.0))?;
+    RmsNorm::new(Some(weight), hidden, eps, vb.device())
+}
+
+impl CausalLm for Llama {
+    fn forward(&self, batch: &mut ForwardBatch<'_>) -> Result<ModelOutput> {
+        let dtype = self.info.dtype;
+        let (cos, sin) = self.rotary.angles(batch, dtype)?;
+        let ctx = AttnContext {
+            cos: &cos,
+            sin: &sin,
+            rotary: &self.rotary,
+        };
+        let mut x = self.embed_tokens.forward(&batch.input_ids)?;
+        for (slot, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(&x, batch, &ctx, slot)?.0;
+        }
+        batch.commit();
+        let x = match batch.logits {
+            Logits::All => x,
+            Logits::Last => x.narrow(1, batch.seq_len() - 1, 1)?,
+        };
+        let logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
+        Ok(ModelOutput {
+            logits,
+            aux_loss: None,
+        })
+    }
+
+    fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+}
