@@ -1,1 +1,95 @@
-fn main() {}
+//! `hrm`: the one binary of the HRM stack.
+//!
+//! It owns argument parsing, logging set-up and the wiring of the library crates into
+//! subcommands; the work itself lives in those crates.
+
+mod bench;
+mod generate;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use hrm_model::DeviceRequest;
+
+#[derive(Parser)]
+#[command(
+    name = "hrm",
+    version,
+    about = "Hierarchical-reasoning language models: inference, volunteer training, benchmarks"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate completions for prompts with a local checkpoint.
+    Generate(generate::GenerateArgs),
+    /// Score continuations given contexts (sum of token log-probabilities).
+    Score(generate::ScoreArgs),
+    /// Benchmarks (not tests): model throughput next to transformers.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+}
+
+/// Where the model comes from and where it runs; shared by every subcommand that loads one.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// Checkpoint: a Hugging Face directory (hrm_text, hrm_text_moe, llama) or a .gguf file.
+    #[arg(long, env = "HRM_MODEL_PATH")]
+    pub model_path: PathBuf,
+    /// tokenizer.json to use instead of the one beside the checkpoint (or inside the GGUF).
+    #[arg(long, env = "HRM_TOKENIZER_PATH")]
+    pub tokenizer_path: Option<PathBuf>,
+    /// cpu, cuda or mps; auto-detected when not given.
+    #[arg(long, env = "HRM_DEVICE", default_value = "auto")]
+    pub device: DeviceRequest,
+    /// Context window in tokens; defaults to the model's max_position_embeddings.
+    #[arg(long)]
+    pub context_window: Option<usize>,
+}
+
+impl ModelArgs {
+    pub fn load_engine(&self) -> anyhow::Result<hrm_model::Engine> {
+        let device = hrm_model::select_device(self.device)?;
+        let loaded = hrm_model::load_model(
+            &self.model_path,
+            self.tokenizer_path.as_deref(),
+            &device,
+            candle_core::DType::F32,
+        )?;
+        tracing::info!(
+            model = %loaded.name,
+            family = loaded.model.info().family.as_str(),
+            format = %loaded.format,
+            device = %hrm_model::device::device_label(&device),
+            "model loaded"
+        );
+        Ok(hrm_model::Engine::new(loaded, self.context_window)?)
+    }
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("HRM_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => generate::run_generate(args),
+        Command::Score(args) => generate::run_score(args),
+        Command::Bench(cmd) => bench::run(cmd),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

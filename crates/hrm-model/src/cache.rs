@@ -99,7 +99,11 @@ impl<'c> ForwardBatch<'c> {
             candle_core::bail!("a forward batch needs at least one row and one token per row")
         }
         if blocks.len() != batch || !(caches.is_empty() || caches.len() == batch) {
-            candle_core::bail!("forward batch: {batch} rows but {} blocks and {} caches", blocks.len(), caches.len())
+            candle_core::bail!(
+                "forward batch: {batch} rows but {} blocks and {} caches",
+                blocks.len(),
+                caches.len()
+            )
         }
         let seq_len = tokens.iter().map(Vec::len).max().unwrap_or(0);
         let rows: Vec<RowLayout> = tokens
@@ -114,7 +118,11 @@ impl<'c> ForwardBatch<'c> {
                 }
             })
             .collect();
-        let kv_len = rows.iter().map(|r| r.past + seq_len - r.padding).max().unwrap_or(0);
+        let kv_len = rows
+            .iter()
+            .map(|r| r.past + seq_len - r.padding)
+            .max()
+            .unwrap_or(0);
 
         let mut ids = Vec::with_capacity(batch * seq_len);
         let mut positions = Vec::with_capacity(batch * seq_len);
@@ -232,7 +240,10 @@ fn build_mask(
         DType::BF16 => -3.389_531_4e38,
         _ => f32::MIN,
     };
-    let values: Vec<f32> = allowed.iter().map(|&a| if a { 0.0 } else { hidden }).collect();
+    let values: Vec<f32> = allowed
+        .iter()
+        .map(|&a| if a { 0.0 } else { hidden })
+        .collect();
     let mask = Tensor::from_vec(values, (rows.len(), 1, seq_len, kv_len), device)?;
     mask.to_dtype(dtype).map(Some)
 }
@@ -254,15 +265,35 @@ mod tests {
     fn visible(mask: &Option<Tensor>, b: usize, j: usize, t: usize) -> bool {
         match mask {
             None => true,
-            Some(m) => m.get(b).unwrap().get(0).unwrap().get(j).unwrap().get(t).unwrap().to_scalar::<f32>().unwrap() == 0.0,
+            Some(m) => {
+                m.get(b)
+                    .unwrap()
+                    .get(0)
+                    .unwrap()
+                    .get(j)
+                    .unwrap()
+                    .get(t)
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap()
+                    == 0.0
+            }
         }
     }
 
     #[test]
     fn causal_prefill_with_left_padding() {
         let rows = [
-            RowLayout { padding: 0, past: 0, block: 0 },
-            RowLayout { padding: 2, past: 0, block: 0 },
+            RowLayout {
+                padding: 0,
+                past: 0,
+                block: 0,
+            },
+            RowLayout {
+                padding: 2,
+                past: 0,
+                block: 0,
+            },
         ];
         let mask = build_mask(&rows, 3, 3, &Device::Cpu, DType::F32).unwrap();
         // Row 0 is plainly causal.
@@ -273,10 +304,20 @@ mod tests {
 
     #[test]
     fn prefix_block_is_bidirectional_and_the_rest_causal() {
-        let rows = [RowLayout { padding: 0, past: 0, block: 2 }];
+        let rows = [RowLayout {
+            padding: 0,
+            past: 0,
+            block: 2,
+        }];
         let mask = build_mask(&rows, 4, 4, &Device::Cpu, DType::F32).unwrap();
-        assert!(visible(&mask, 0, 0, 1), "prompt token sees a later prompt token");
-        assert!(!visible(&mask, 0, 0, 2), "prompt token does not see the continuation");
+        assert!(
+            visible(&mask, 0, 0, 1),
+            "prompt token sees a later prompt token"
+        );
+        assert!(
+            !visible(&mask, 0, 0, 2),
+            "prompt token does not see the continuation"
+        );
         assert!(visible(&mask, 0, 3, 0) && visible(&mask, 0, 3, 3) && !visible(&mask, 0, 2, 3));
     }
 
@@ -284,8 +325,16 @@ mod tests {
     fn decode_rows_with_different_histories() {
         // Row 0 has 4 cached tokens, row 1 has 2; each adds one.
         let rows = [
-            RowLayout { padding: 0, past: 4, block: 0 },
-            RowLayout { padding: 0, past: 2, block: 0 },
+            RowLayout {
+                padding: 0,
+                past: 4,
+                block: 0,
+            },
+            RowLayout {
+                padding: 0,
+                past: 2,
+                block: 0,
+            },
         ];
         let mask = build_mask(&rows, 1, 5, &Device::Cpu, DType::F32).unwrap();
         assert!((0..5).all(|t| visible(&mask, 0, 0, t)));
@@ -295,7 +344,15 @@ mod tests {
 
     #[test]
     fn single_decode_row_needs_no_mask() {
-        let rows = [RowLayout { padding: 0, past: 7, block: 0 }];
-        assert!(build_mask(&rows, 1, 8, &Device::Cpu, DType::F32).unwrap().is_none());
+        let rows = [RowLayout {
+            padding: 0,
+            past: 7,
+            block: 0,
+        }];
+        assert!(
+            build_mask(&rows, 1, 8, &Device::Cpu, DType::F32)
+                .unwrap()
+                .is_none()
+        );
     }
 }

@@ -101,11 +101,20 @@ mod tests {
     #[test]
     fn parses_the_documented_names() {
         assert_eq!("cpu".parse::<DeviceRequest>().unwrap(), DeviceRequest::Cpu);
-        assert_eq!("CUDA".parse::<DeviceRequest>().unwrap(), DeviceRequest::Cuda);
+        assert_eq!(
+            "CUDA".parse::<DeviceRequest>().unwrap(),
+            DeviceRequest::Cuda
+        );
         assert_eq!("mps".parse::<DeviceRequest>().unwrap(), DeviceRequest::Mps);
-        assert_eq!("auto".parse::<DeviceRequest>().unwrap(), DeviceRequest::Auto);
+        assert_eq!(
+            "auto".parse::<DeviceRequest>().unwrap(),
+            DeviceRequest::Auto
+        );
         let err = "tpu".parse::<DeviceRequest>().unwrap_err().to_string();
-        assert!(err.contains("tpu") && err.contains("cpu, cuda, mps"), "{err}");
+        assert!(
+            err.contains("tpu") && err.contains("cpu, cuda, mps"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -120,7 +129,10 @@ mod tests {
     #[test]
     fn cuda_without_the_feature_says_how_to_get_it() {
         let err = select_device(DeviceRequest::Cuda).unwrap_err().to_string();
-        assert!(err.contains("built without CUDA") && err.contains("--features cuda"), "{err}");
+        assert!(
+            err.contains("built without CUDA") && err.contains("--features cuda"),
+            "{err}"
+        );
     }
 
     #[cfg(not(feature = "metal"))]

@@ -286,14 +286,24 @@ impl Engine {
                 tokens.push(seq.prompt.clone());
                 blocks.push(if prefix_lm { seq.prompt.len() } else { 0 });
             } else {
-                let last = *seq.generated.last().expect("a running sequence has generated a token");
+                let last = *seq
+                    .generated
+                    .last()
+                    .expect("a running sequence has generated a token");
                 tokens.push(vec![last]);
                 blocks.push(0);
             }
         }
         let info = self.info();
         let caches = group.iter_mut().map(|s| &mut s.cache).collect();
-        let mut batch = ForwardBatch::new(&tokens, &blocks, caches, Logits::Last, &info.device, info.dtype)?;
+        let mut batch = ForwardBatch::new(
+            &tokens,
+            &blocks,
+            caches,
+            Logits::Last,
+            &info.device,
+            info.dtype,
+        )?;
         let logits = self.model.forward(&mut batch)?.logits;
         drop(batch);
         let logits = logits.squeeze(1)?.to_dtype(DType::F32)?;
@@ -311,7 +321,13 @@ impl Engine {
         }
         seq.generated.push(token);
         seq.text = self.tokenizer.decode(&seq.generated)?;
-        if let Some(cut) = seq.params.stop.iter().filter_map(|s| seq.text.find(s.as_str())).min() {
+        if let Some(cut) = seq
+            .params
+            .stop
+            .iter()
+            .filter_map(|s| seq.text.find(s.as_str()))
+            .min()
+        {
             seq.text.truncate(cut);
             seq.finish = Some(FinishReason::Stop);
         } else if seq.generated.len() >= seq.params.max_tokens
@@ -341,7 +357,9 @@ impl Engine {
         let mut active: Vec<(usize, Sequence)> = Vec::new();
         loop {
             while active.len() < max_batch_size.max(1) {
-                let Some((i, ids)) = waiting.pop_front() else { break };
+                let Some((i, ids)) = waiting.pop_front() else {
+                    break;
+                };
                 let mut p = params.clone();
                 p.seed = params.seed.map(|s| s.wrapping_add(i as u64));
                 active.push((i, self.start(ids, p)));
@@ -351,34 +369,50 @@ impl Engine {
             }
             let mut refs: Vec<&mut Sequence> = active.iter_mut().map(|(_, s)| s).collect();
             self.step(&mut refs)?;
-            let (done, still): (Vec<_>, Vec<_>) = active.into_iter().partition(|(_, s)| s.is_finished());
+            let (done, still): (Vec<_>, Vec<_>) =
+                active.into_iter().partition(|(_, s)| s.is_finished());
             active = still;
             for (i, seq) in done {
                 results[i] = Some(seq.into_generation());
             }
         }
-        Ok(results.into_iter().map(|r| r.expect("every prompt finishes")).collect())
+        Ok(results
+            .into_iter()
+            .map(|r| r.expect("every prompt finishes"))
+            .collect())
     }
 
     /// Context and continuation token ids, split the way lm-evaluation-harness splits them.
     pub fn split_pair(&self, context: &str, continuation: &str) -> Result<(Vec<u32>, Vec<u32>)> {
         let trimmed = context.trim_end_matches(' ');
         let (context, continuation) = if trimmed.len() < context.len() {
-            (trimmed.to_string(), format!("{}{continuation}", &context[trimmed.len()..]))
+            (
+                trimmed.to_string(),
+                format!("{}{continuation}", &context[trimmed.len()..]),
+            )
         } else {
             (context.to_string(), continuation.to_string())
         };
         if context.is_empty() {
-            return Ok((vec![self.start_token()], self.tokenizer.encode(&continuation, false)?));
+            return Ok((
+                vec![self.start_token()],
+                self.tokenizer.encode(&continuation, false)?,
+            ));
         }
-        let whole = self.tokenizer.encode(&format!("{context}{continuation}"), false)?;
+        let whole = self
+            .tokenizer
+            .encode(&format!("{context}{continuation}"), false)?;
         let ctx = self.tokenizer.encode(&context, false)?;
         let split = ctx.len().min(whole.len());
         Ok((whole[..split].to_vec(), whole[split..].to_vec()))
     }
 
     /// Scores each continuation given its context; see the module docs for the encoding.
-    pub fn loglikelihood(&self, pairs: &[(String, String)], max_batch_size: usize) -> Result<Vec<Loglikelihood>> {
+    pub fn loglikelihood(
+        &self,
+        pairs: &[(String, String)],
+        max_batch_size: usize,
+    ) -> Result<Vec<Loglikelihood>> {
         let prefix_lm = self.info().prefix_lm;
         let rows = pairs
             .iter()
@@ -414,7 +448,10 @@ impl Engine {
         top_n: usize,
         max_batch_size: usize,
     ) -> Result<Vec<Vec<TokenLogprob>>> {
-        let rows: Vec<ScoreRow> = rows.iter().map(|r| self.fit_to_window(r)).collect::<Result<_>>()?;
+        let rows: Vec<ScoreRow> = rows
+            .iter()
+            .map(|r| self.fit_to_window(r))
+            .collect::<Result<_>>()?;
         let vocab = self.info().vocab_size;
         let mut results = Vec::with_capacity(rows.len());
         let mut start = 0;
@@ -455,7 +492,14 @@ impl Engine {
         let info = self.info();
         let tokens: Vec<Vec<u32>> = rows.iter().map(|r| r.tokens.clone()).collect();
         let blocks: Vec<usize> = rows.iter().map(|r| r.block).collect();
-        let mut batch = ForwardBatch::new(&tokens, &blocks, Vec::new(), Logits::All, &info.device, info.dtype)?;
+        let mut batch = ForwardBatch::new(
+            &tokens,
+            &blocks,
+            Vec::new(),
+            Logits::All,
+            &info.device,
+            info.dtype,
+        )?;
         let logits = self.model.forward(&mut batch)?.logits;
         let seq_len = batch.seq_len();
         let mut out = Vec::with_capacity(rows.len());
@@ -468,8 +512,12 @@ impl Engine {
                 out.push(Vec::new());
                 continue;
             }
-            let row_logits = logits.get(i)?.narrow(0, first, count)?.to_dtype(DType::F32)?;
-            let logprobs: Vec<Vec<f32>> = candle_nn::ops::log_softmax(&row_logits, D::Minus1)?.to_vec2()?;
+            let row_logits = logits
+                .get(i)?
+                .narrow(0, first, count)?
+                .to_dtype(DType::F32)?;
+            let logprobs: Vec<Vec<f32>> =
+                candle_nn::ops::log_softmax(&row_logits, D::Minus1)?.to_vec2()?;
             out.push(
                 logprobs
                     .iter()
@@ -494,10 +542,15 @@ fn describe_position(logprobs: &[f32], token: u32, top_n: usize) -> TokenLogprob
     } else {
         let mut order: Vec<u32> = (0..logprobs.len() as u32).collect();
         let n = top_n.min(order.len());
-        order.select_nth_unstable_by(n - 1, |&a, &b| logprobs[b as usize].total_cmp(&logprobs[a as usize]));
+        order.select_nth_unstable_by(n - 1, |&a, &b| {
+            logprobs[b as usize].total_cmp(&logprobs[a as usize])
+        });
         order.truncate(n);
         order.sort_by(|&a, &b| logprobs[b as usize].total_cmp(&logprobs[a as usize]));
-        order.into_iter().map(|i| (i, logprobs[i as usize])).collect()
+        order
+            .into_iter()
+            .map(|i| (i, logprobs[i as usize]))
+            .collect()
     };
     TokenLogprob {
         token,
@@ -510,6 +563,13 @@ fn describe_position(logprobs: &[f32], token: u32, top_n: usize) -> TokenLogprob
 /// A convenience for tests and tools: the full-pass logits of one token sequence.
 pub fn full_pass_logits(model: &dyn CausalLm, tokens: &[u32], block: usize) -> Result<Tensor> {
     let info = model.info();
-    let mut batch = ForwardBatch::new(&[tokens.to_vec()], &[block], Vec::new(), Logits::All, &info.device, info.dtype)?;
+    let mut batch = ForwardBatch::new(
+        &[tokens.to_vec()],
+        &[block],
+        Vec::new(),
+        Logits::All,
+        &info.device,
+        info.dtype,
+    )?;
     Ok(model.forward(&mut batch)?.logits)
 }

@@ -29,8 +29,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::cache::ForwardBatch;
 use crate::layers::{
-    AttnContext, AttnInput, Attention, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm, RopeLayout,
-    Rotary, SwiGlu,
+    Attention, AttnContext, AttnInput, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm,
+    RopeLayout, Rotary, SwiGlu,
 };
 use crate::loader::ModelFamily;
 use crate::moe::MoeMlp;
@@ -163,13 +163,27 @@ impl HrmTextConfig {
     /// Every rule a config must meet before a model is built from it.
     pub fn validate(&self) -> std::result::Result<(), String> {
         if self.model_type != "hrm_text" && self.model_type != "hrm_text_moe" {
-            return Err(format!("model_type {:?} is not hrm_text or hrm_text_moe", self.model_type));
+            return Err(format!(
+                "model_type {:?} is not hrm_text or hrm_text_moe",
+                self.model_type
+            ));
         }
         if self.hidden_act != "silu" {
-            return Err(format!("hidden_act {:?} is not supported (only silu)", self.hidden_act));
+            return Err(format!(
+                "hidden_act {:?} is not supported (only silu)",
+                self.hidden_act
+            ));
         }
         if self.attention_bias || self.mlp_bias {
-            return Err("attention_bias and mlp_bias are not supported by the hrm_text checkpoint format".into());
+            return Err(
+                "attention_bias and mlp_bias are not supported by the hrm_text checkpoint format"
+                    .into(),
+            );
+        }
+        if self.num_attention_heads == 0 || self.hidden_size == 0 || self.vocab_size == 0 {
+            return Err(
+                "hidden_size, num_attention_heads and vocab_size must be at least 1".into(),
+            );
         }
         if self.h_cycles == 0 || self.l_cycles == 0 {
             return Err("H_cycles and L_cycles must be at least 1".into());
@@ -180,7 +194,10 @@ impl HrmTextConfig {
         if let Some(rope) = &self.rope_parameters
             && rope.rope_type != "default"
         {
-            return Err(format!("rope_type {:?} is not supported (only default)", rope.rope_type));
+            return Err(format!(
+                "rope_type {:?} is not supported (only default)",
+                rope.rope_type
+            ));
         }
         if self.is_moe() {
             let experts = self.num_experts.unwrap_or(0);
@@ -204,7 +221,8 @@ impl HrmTextConfig {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
     }
 
     pub fn rope_theta(&self) -> f64 {
@@ -233,7 +251,10 @@ impl HrmTextConfig {
     }
 
     pub fn eos_token_ids(&self) -> Vec<u32> {
-        self.eos_token_id.as_ref().map(EosTokenId::ids).unwrap_or_default()
+        self.eos_token_id
+            .as_ref()
+            .map(EosTokenId::ids)
+            .unwrap_or_default()
     }
 }
 
@@ -252,7 +273,11 @@ impl Stack {
             .map(|i| {
                 let vb = vb.pp("layers").pp(i);
                 let attn = Attention {
-                    input: AttnInput::FusedGqkv(Linear::load(vb.pp("attn.gqkv_proj"), hidden, 4 * heads * head_dim)?),
+                    input: AttnInput::FusedGqkv(Linear::load(
+                        vb.pp("attn.gqkv_proj"),
+                        hidden,
+                        4 * heads * head_dim,
+                    )?),
                     o_proj: Linear::load(vb.pp("attn.o_proj"), heads * head_dim, hidden)?,
                     num_heads: heads,
                     num_kv_heads: heads,
@@ -327,16 +352,25 @@ impl HrmText {
         config.validate().map_err(candle_core::Error::msg)?;
         let hidden = config.hidden_size;
         let model = vb.pp("model");
-        let embed_tokens = candle_nn::embedding(config.vocab_size, hidden, model.pp("embed_tokens"))?;
+        let embed_tokens =
+            candle_nn::embedding(config.vocab_size, hidden, model.pp("embed_tokens"))?;
         let lm_head = if config.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
-            Linear::Dense(candle_nn::Linear::new(embed_tokens.embeddings().clone(), None))
+            Linear::Dense(candle_nn::Linear::new(
+                embed_tokens.embeddings().clone(),
+                None,
+            ))
         } else {
             Linear::load(vb.pp("lm_head"), hidden, config.vocab_size)?
         };
         let z_l_init = model.get(hidden, "z_L_init")?;
         let low = Stack::load(model.pp("L_module"), &config)?;
         let high = Stack::load(model.pp("H_module"), &config)?;
-        let rotary = Rotary::new(config.head_dim(), config.rope_theta(), RopeLayout::Halves, vb.device())?;
+        let rotary = Rotary::new(
+            config.head_dim(),
+            config.rope_theta(),
+            RopeLayout::Halves,
+            vb.device(),
+        )?;
 
         let per_token: usize = low
             .layers
@@ -345,7 +379,12 @@ impl HrmText {
             .sum::<usize>()
             * config.h_cycles
             * config.l_cycles
-            + high.layers.iter().map(DecoderLayer::weight_bytes_per_token).sum::<usize>() * config.h_cycles;
+            + high
+                .layers
+                .iter()
+                .map(DecoderLayer::weight_bytes_per_token)
+                .sum::<usize>()
+                * config.h_cycles;
         let info = ModelInfo {
             family: if config.is_moe() {
                 ModelFamily::HrmTextMoe
@@ -402,20 +441,32 @@ impl CausalLm for HrmText {
 
         let embeds = self.embed_tokens.forward(&batch.input_ids)?;
         let mut z_high = (embeds * cfg.embedding_scale())?;
-        let mut z_low = self.z_l_init.to_dtype(dtype)?.broadcast_as(z_high.shape())?.contiguous()?;
+        // z_L_init is frozen, as in transformers (`requires_grad=False`).
+        let mut z_low = self
+            .z_l_init
+            .detach()
+            .to_dtype(dtype)?
+            .broadcast_as(z_high.shape())?
+            .contiguous()?;
         let grad_cycles = cfg.grad_cycles();
         for h in 0..cfg.h_cycles {
             // transformers indexes the padded list by the high-level cycle.
-            let detached_below = cfg.l_cycles.saturating_sub(grad_cycles.get(h).copied().unwrap_or(1));
+            let detached_below = cfg
+                .l_cycles
+                .saturating_sub(grad_cycles.get(h).copied().unwrap_or(1));
             for l in 0..cfg.l_cycles {
                 let slot = (h * (cfg.l_cycles + 1) + l) * layers;
-                z_low = self.low.forward((&z_low + &z_high)?, batch, &ctx, slot, &mut aux)?;
+                z_low = self
+                    .low
+                    .forward((&z_low + &z_high)?, batch, &ctx, slot, &mut aux)?;
                 if l < detached_below {
                     z_low = z_low.detach();
                 }
             }
             let slot = (h * (cfg.l_cycles + 1) + cfg.l_cycles) * layers;
-            z_high = self.high.forward((&z_high + &z_low)?, batch, &ctx, slot, &mut aux)?;
+            z_high = self
+                .high
+                .forward((&z_high + &z_low)?, batch, &ctx, slot, &mut aux)?;
         }
         batch.commit();
 

@@ -37,10 +37,36 @@ impl Linear {
     }
 }
 
+/// candle's quantised CPU matmul computes one dot product per (row, column) pair, so its cost
+/// grows with the number of input rows as if each row were a separate decode step. From
+/// `DEQUANTIZE_FROM_ROWS` rows on (prefill), the matrix is dequantised for the call and multiplied
+/// with the f32 GEMM instead; for formats whose dot product has no SIMD kernel in candle (Q4_1,
+/// Q5_0, Q5_1) that already pays from `SCALAR_FORMAT_DEQUANTIZE_FROM_ROWS` rows (batched decode).
+/// A single row keeps the quantised kernel, which reads 4-8x fewer weight bytes.
+const DEQUANTIZE_FROM_ROWS: usize = 32;
+const SCALAR_FORMAT_DEQUANTIZE_FROM_ROWS: usize = 4;
+
+fn dequantize_for(q: &candle_core::quantized::QTensor, rows: usize) -> bool {
+    use candle_core::quantized::GgmlDType;
+    let threshold = match q.dtype() {
+        GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 => SCALAR_FORMAT_DEQUANTIZE_FROM_ROWS,
+        _ => DEQUANTIZE_FROM_ROWS,
+    };
+    rows >= threshold
+}
+
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Self::Dense(l) => l.forward(x),
+            Self::Quantized(QMatMul::QTensor(q))
+                if dequantize_for(q, x.elem_count() / x.dim(D::Minus1)?) =>
+            {
+                let w = q.dequantize(x.device())?;
+                candle_nn::Linear::new(w, None)
+                    .forward(&x.to_dtype(DType::F32)?)?
+                    .to_dtype(x.dtype())
+            }
             Self::Quantized(q) => q.forward(x),
         }
     }
@@ -57,7 +83,12 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn new(weight: Option<Tensor>, hidden: usize, eps: f64, device: &candle_core::Device) -> Result<Self> {
+    pub fn new(
+        weight: Option<Tensor>,
+        hidden: usize,
+        eps: f64,
+        device: &candle_core::Device,
+    ) -> Result<Self> {
         Ok(Self {
             weight,
             unit: Tensor::ones(hidden, DType::F32, device)?,
@@ -101,7 +132,12 @@ pub struct Rotary {
 }
 
 impl Rotary {
-    pub fn new(head_dim: usize, theta: f64, layout: RopeLayout, device: &candle_core::Device) -> Result<Self> {
+    pub fn new(
+        head_dim: usize,
+        theta: f64,
+        layout: RopeLayout,
+        device: &candle_core::Device,
+    ) -> Result<Self> {
         let base = theta as f32;
         let inv_freq: Vec<f32> = (0..head_dim)
             .step_by(2)
@@ -247,7 +283,10 @@ fn repeat_kv(x: Tensor, groups: usize) -> Result<Tensor> {
 pub enum GateUp {
     /// One matrix producing `[gate, up]` (HRM-Text's `mlp.gate_up_proj`).
     Fused(Linear),
-    Split { gate: Linear, up: Linear },
+    Split {
+        gate: Linear,
+        up: Linear,
+    },
 }
 
 /// `down(silu(gate(x)) * up(x))`.
@@ -263,7 +302,10 @@ impl SwiGlu {
             GateUp::Fused(proj) => {
                 let both = proj.forward(x)?;
                 let half = both.dim(D::Minus1)? / 2;
-                (both.narrow(D::Minus1, 0, half)?, both.narrow(D::Minus1, half, half)?)
+                (
+                    both.narrow(D::Minus1, 0, half)?,
+                    both.narrow(D::Minus1, half, half)?,
+                )
             }
             GateUp::Split { gate, up } => (gate.forward(x)?, up.forward(x)?),
         };
@@ -304,7 +346,9 @@ impl DecoderLayer {
         ctx: &AttnContext<'_>,
         slot: usize,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let attn = self.attn.forward(&self.input_norm.forward(x)?, batch, ctx, slot)?;
+        let attn = self
+            .attn
+            .forward(&self.input_norm.forward(x)?, batch, ctx, slot)?;
         let x = (x + attn)?;
         let normed = self.post_attention_norm.forward(&x)?;
         let (mlp, aux) = match &self.mlp {

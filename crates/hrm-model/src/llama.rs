@@ -14,8 +14,8 @@ use serde::{Deserialize, Serialize};
 use crate::cache::ForwardBatch;
 use crate::hrm_text::{EosTokenId, RopeParameters};
 use crate::layers::{
-    AttnContext, AttnInput, Attention, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm, RopeLayout,
-    Rotary, SwiGlu,
+    Attention, AttnContext, AttnInput, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm,
+    RopeLayout, Rotary, SwiGlu,
 };
 use crate::loader::ModelFamily;
 use crate::{CausalLm, Logits, ModelInfo, ModelOutput};
@@ -85,7 +85,10 @@ impl LlamaConfig {
 
     pub fn validate(&self) -> std::result::Result<(), String> {
         if self.hidden_act != "silu" {
-            return Err(format!("hidden_act {:?} is not supported (only silu)", self.hidden_act));
+            return Err(format!(
+                "hidden_act {:?} is not supported (only silu)",
+                self.hidden_act
+            ));
         }
         if self.attention_bias || self.mlp_bias {
             return Err("attention_bias and mlp_bias are not supported".into());
@@ -93,9 +96,15 @@ impl LlamaConfig {
         if let Some(rope) = &self.rope_parameters
             && rope.rope_type != "default"
         {
-            return Err(format!("rope_type {:?} is not supported (only default)", rope.rope_type));
+            return Err(format!(
+                "rope_type {:?} is not supported (only default)",
+                rope.rope_type
+            ));
         }
-        if self.num_attention_heads % self.kv_heads() != 0 {
+        if self.num_attention_heads == 0 || self.kv_heads() == 0 {
+            return Err("num_attention_heads and num_key_value_heads must be at least 1".into());
+        }
+        if !self.num_attention_heads.is_multiple_of(self.kv_heads()) {
             return Err(format!(
                 "num_attention_heads ({}) is not a multiple of num_key_value_heads ({})",
                 self.num_attention_heads,
@@ -110,7 +119,8 @@ impl LlamaConfig {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads)
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
     }
 
     pub fn rope_theta(&self) -> f64 {
@@ -122,7 +132,10 @@ impl LlamaConfig {
     }
 
     pub fn eos_token_ids(&self) -> Vec<u32> {
-        self.eos_token_id.as_ref().map(EosTokenId::ids).unwrap_or_default()
+        self.eos_token_id
+            .as_ref()
+            .map(EosTokenId::ids)
+            .unwrap_or_default()
     }
 }
 
@@ -148,7 +161,8 @@ impl Llama {
             config.head_dim(),
         );
         let model = vb.pp("model");
-        let embed_tokens = candle_nn::embedding(config.vocab_size, hidden, model.pp("embed_tokens"))?;
+        let embed_tokens =
+            candle_nn::embedding(config.vocab_size, hidden, model.pp("embed_tokens"))?;
         let layers = (0..config.num_hidden_layers)
             .map(|i| {
                 let vb = model.pp("layers").pp(i);
@@ -167,10 +181,18 @@ impl Llama {
                         num_kv_heads: kv_heads,
                         head_dim,
                     },
-                    post_attention_norm: norm(vb.pp("post_attention_layernorm"), hidden, config.rms_norm_eps)?,
+                    post_attention_norm: norm(
+                        vb.pp("post_attention_layernorm"),
+                        hidden,
+                        config.rms_norm_eps,
+                    )?,
                     mlp: FeedForward::Dense(SwiGlu {
                         gate_up: GateUp::Split {
-                            gate: Linear::load(mlp.pp("gate_proj"), hidden, config.intermediate_size)?,
+                            gate: Linear::load(
+                                mlp.pp("gate_proj"),
+                                hidden,
+                                config.intermediate_size,
+                            )?,
                             up: Linear::load(mlp.pp("up_proj"), hidden, config.intermediate_size)?,
                         },
                         down: Linear::load(mlp.pp("down_proj"), config.intermediate_size, hidden)?,
@@ -180,11 +202,19 @@ impl Llama {
             .collect::<Result<Vec<_>>>()?;
         let final_norm = norm(model.pp("norm"), hidden, config.rms_norm_eps)?;
         let lm_head = if config.tie_word_embeddings && !vb.contains_tensor("lm_head.weight") {
-            Linear::Dense(candle_nn::Linear::new(embed_tokens.embeddings().clone(), None))
+            Linear::Dense(candle_nn::Linear::new(
+                embed_tokens.embeddings().clone(),
+                None,
+            ))
         } else {
             Linear::load(vb.pp("lm_head"), hidden, config.vocab_size)?
         };
-        let rotary = Rotary::new(head_dim, config.rope_theta(), RopeLayout::Halves, vb.device())?;
+        let rotary = Rotary::new(
+            head_dim,
+            config.rope_theta(),
+            RopeLayout::Halves,
+            vb.device(),
+        )?;
         Ok(Self::assemble(
             embed_tokens,
             layers,
@@ -224,7 +254,9 @@ impl Llama {
         let hidden = u("llama.embedding_length")?;
         let layers_n = u("llama.block_count")?;
         let eps = md("llama.attention.layer_norm_rms_epsilon")?.to_f32()? as f64;
-        let theta = md("llama.rope.freq_base").and_then(|v| v.to_f32()).unwrap_or(10_000.0) as f64;
+        let theta = md("llama.rope.freq_base")
+            .and_then(|v| v.to_f32())
+            .unwrap_or(10_000.0) as f64;
         let context = u("llama.context_length").unwrap_or(2048);
         let head_dim = u("llama.rope.dimension_count").unwrap_or(hidden / heads);
 
@@ -236,7 +268,9 @@ impl Llama {
         let mut layers = Vec::with_capacity(layers_n);
         for i in 0..layers_n {
             let mut q = |suffix: &str| -> Result<Linear> {
-                Ok(Linear::Quantized(QMatMul::from_qtensor(tensor(&format!("blk.{i}.{suffix}.weight"))?)?))
+                Ok(Linear::Quantized(QMatMul::from_qtensor(tensor(
+                    &format!("blk.{i}.{suffix}.weight"),
+                )?)?))
             };
             let input = AttnInput::Split {
                 q: q("attn_q")?,
@@ -264,7 +298,12 @@ impl Llama {
                 mlp: FeedForward::Dense(SwiGlu { gate_up, down }),
             });
         }
-        let final_norm = RmsNorm::new(Some(tensor("output_norm.weight")?.dequantize(device)?), hidden, eps, device)?;
+        let final_norm = RmsNorm::new(
+            Some(tensor("output_norm.weight")?.dequantize(device)?),
+            hidden,
+            eps,
+            device,
+        )?;
         let tied = !content.tensor_infos.contains_key("output.weight");
         let lm_head = Linear::Quantized(QMatMul::from_qtensor(if tied {
             tensor("token_embd.weight")?
@@ -318,7 +357,10 @@ impl Llama {
         dtype: DType,
         device: &Device,
     ) -> Self {
-        let weight_bytes = layers.iter().map(DecoderLayer::weight_bytes_per_token).sum::<usize>()
+        let weight_bytes = layers
+            .iter()
+            .map(DecoderLayer::weight_bytes_per_token)
+            .sum::<usize>()
             + lm_head.weight_bytes();
         let info = ModelInfo {
             family: ModelFamily::Llama,

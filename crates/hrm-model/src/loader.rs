@@ -84,14 +84,19 @@ pub fn load_model(
     let (model, tokenizer): (Box<dyn CausalLm>, _) = match model_type.as_str() {
         "hrm_text" | "hrm_text_moe" => {
             let config = HrmTextConfig::from_file(&config_path)?;
-            let tokenizer = TextTokenizer::from_file(&tokenizer_file, config.eos_token_ids(), config.bos_token_id)?;
+            let tokenizer = TextTokenizer::from_file(
+                &tokenizer_file,
+                config.eos_token_ids(),
+                config.bos_token_id,
+            )?;
             let mut model = HrmText::new(config, vb)?;
             model.set_num_parameters(num_parameters);
             (Box::new(model), tokenizer)
         }
         "llama" => {
             let config = LlamaConfig::from_file(&config_path)?;
-            let tokenizer = TextTokenizer::from_file(&tokenizer_file, config.eos_token_ids(), None)?;
+            let tokenizer =
+                TextTokenizer::from_file(&tokenizer_file, config.eos_token_ids(), None)?;
             let mut model = Llama::new(&config, vb)?;
             model.set_num_parameters(num_parameters);
             (Box::new(model), tokenizer)
@@ -152,7 +157,9 @@ fn list_dir(path: &Path) -> Result<Vec<PathBuf>> {
 fn pickle_refused(path: &Path) -> Error {
     Error::Unsupported {
         path: path.into(),
-        message: "pickle checkpoints can run code when loaded and are refused; convert to safetensors".into(),
+        message:
+            "pickle checkpoints can run code when loaded and are refused; convert to safetensors"
+                .into(),
     }
 }
 
@@ -169,11 +176,16 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
             path: index_path.clone(),
             message: e.to_string(),
         })?;
-        let map = index["weight_map"].as_object().ok_or_else(|| Error::Config {
-            path: index_path.clone(),
-            message: "no weight_map".into(),
-        })?;
-        let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(String::from)).collect();
+        let map = index["weight_map"]
+            .as_object()
+            .ok_or_else(|| Error::Config {
+                path: index_path.clone(),
+                message: "no weight_map".into(),
+            })?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(|v| v.as_str().map(String::from))
+            .collect();
         files.sort();
         files.dedup();
         return files
@@ -191,9 +203,13 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
             })
             .collect();
     }
-    if ["pytorch_model.bin", "model.pt", "pytorch_model.bin.index.json"]
-        .iter()
-        .any(|f| dir.join(f).exists())
+    if [
+        "pytorch_model.bin",
+        "model.pt",
+        "pytorch_model.bin.index.json",
+    ]
+    .iter()
+    .any(|f| dir.join(f).exists())
     {
         return Err(pickle_refused(dir));
     }
@@ -206,10 +222,19 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>> {
 fn count_parameters(files: &[PathBuf]) -> Result<usize> {
     // SAFETY: as in `load_model`, read-only mappings of files this process does not write.
     let tensors = unsafe { candle_core::safetensors::MmapedSafetensors::multi(files)? };
-    Ok(tensors.tensors().iter().map(|(_, view)| view.shape().iter().product::<usize>()).sum())
+    Ok(tensors
+        .tensors()
+        .iter()
+        .map(|(_, view)| view.shape().iter().product::<usize>())
+        .sum())
 }
 
-fn load_gguf(path: &Path, tokenizer_path: Option<&Path>, device: &Device, name: String) -> Result<LoadedModel> {
+fn load_gguf(
+    path: &Path,
+    tokenizer_path: Option<&Path>,
+    device: &Device,
+    name: String,
+) -> Result<LoadedModel> {
     let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
     let content = gguf_file::Content::read(&mut file).map_err(|e| e.with_path(path))?;
     let (mut model, _config) = Llama::from_gguf(&content, &mut file, device)?;

@@ -35,14 +35,34 @@ impl MoeMlp {
         top_k: usize,
     ) -> Result<Self> {
         if top_k == 0 || top_k > num_experts {
-            candle_core::bail!("num_experts_per_tok ({top_k}) must be between 1 and num_experts ({num_experts})")
+            candle_core::bail!(
+                "num_experts_per_tok ({top_k}) must be between 1 and num_experts ({num_experts})"
+            )
         }
-        let router = vb
-            .pp("router")
-            .get_with_hints_dtype((num_experts, hidden), "weight", DEFAULT_KAIMING_NORMAL, DType::F32)?;
+        // The router runs in at least f32 whatever the model dtype: routing decisions made in
+        // half precision flip on ties and rounding.
+        let router_dtype = if vb.dtype() == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        let router = vb.pp("router").get_with_hints_dtype(
+            (num_experts, hidden),
+            "weight",
+            DEFAULT_KAIMING_NORMAL,
+            router_dtype,
+        )?;
         let experts = vb.pp("experts");
-        let gate_up = experts.get_with_hints((num_experts, 2 * intermediate, hidden), "gate_up_proj", DEFAULT_KAIMING_NORMAL)?;
-        let down = experts.get_with_hints((num_experts, hidden, intermediate), "down_proj", DEFAULT_KAIMING_NORMAL)?;
+        let gate_up = experts.get_with_hints(
+            (num_experts, 2 * intermediate, hidden),
+            "gate_up_proj",
+            DEFAULT_KAIMING_NORMAL,
+        )?;
+        let down = experts.get_with_hints(
+            (num_experts, hidden, intermediate),
+            "down_proj",
+            DEFAULT_KAIMING_NORMAL,
+        )?;
         Ok(Self {
             router,
             gate_up,
@@ -60,12 +80,14 @@ impl MoeMlp {
         let (b, s, hidden) = x.dims3()?;
         let tokens = x.reshape((b * s, hidden))?;
         let n = b * s;
-        let logits = tokens.to_dtype(DType::F32)?.matmul(&self.router.t()?)?;
+        let logits = tokens
+            .to_dtype(self.router.dtype())?
+            .matmul(&self.router.t()?)?;
         let probs = softmax_last_dim(&logits)?; // [n, E]
 
         // Top-k selection is discrete, so it is decided on the host; the kept probabilities are
         // then gathered from `probs`, which keeps them differentiable.
-        let host: Vec<Vec<f32>> = probs.to_vec2()?;
+        let host: Vec<Vec<f32>> = probs.to_dtype(DType::F32)?.to_vec2()?;
         let mut chosen = Vec::with_capacity(n * self.top_k);
         let mut counts = vec![0usize; self.num_experts];
         for row in &host {
@@ -103,7 +125,8 @@ impl MoeMlp {
             .iter()
             .map(|&c| c as f32 / (n * self.top_k) as f32)
             .collect();
-        let share = Tensor::from_vec(share, self.num_experts, x.device())?;
+        let share =
+            Tensor::from_vec(share, self.num_experts, x.device())?.to_dtype(probs.dtype())?;
         let mean_prob = probs.mean(0)?;
         let aux = ((mean_prob * share)?.sum_all()? * self.num_experts as f64)?;
         Ok((out.reshape((b, s, hidden))?, aux))
@@ -120,6 +143,6 @@ impl MoeMlp {
     pub fn active_weight_bytes(&self) -> usize {
         let per_expert = (self.gate_up.elem_count() + self.down.elem_count()) / self.num_experts
             * self.gate_up.dtype().size_in_bytes();
-        per_expert * self.top_k + self.router.elem_count() * 4
+        per_expert * self.top_k + self.router.elem_count() * self.router.dtype().size_in_bytes()
     }
 }

@@ -37,7 +37,11 @@ impl TextTokenizer {
         if eos_ids.is_empty() {
             eos_ids.extend(eos_from_tokenizer_config(path, &inner));
         }
-        Ok(Self { inner, eos_ids, bos_id })
+        Ok(Self {
+            inner,
+            eos_ids,
+            bos_id,
+        })
     }
 
     /// Rebuilds the byte-level BPE (`tokenizer.ggml.model == "gpt2"`) stored in a GGUF file.
@@ -62,7 +66,11 @@ impl TextTokenizer {
                 .to_vec()
                 .map_err(|e| Error::Tokenizer(e.to_string()))?
                 .iter()
-                .map(|v| v.to_string().cloned().map_err(|e| Error::Tokenizer(e.to_string())))
+                .map(|v| {
+                    v.to_string()
+                        .cloned()
+                        .map_err(|e| Error::Tokenizer(e.to_string()))
+                })
                 .collect()
         };
         let tokens = strings("tokenizer.ggml.tokens")?;
@@ -83,7 +91,11 @@ impl TextTokenizer {
                 .collect(),
             Err(_) => vec![1; tokens.len()],
         };
-        let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merges)
             .build()
@@ -111,7 +123,11 @@ impl TextTokenizer {
         Ok(Self {
             inner,
             eos_ids: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
-            bos_id: if add_bos { id("tokenizer.ggml.bos_token_id") } else { None },
+            bos_id: if add_bos {
+                id("tokenizer.ggml.bos_token_id")
+            } else {
+                None
+            },
         })
     }
 
@@ -152,7 +168,9 @@ impl TextTokenizer {
 
     /// The first end-of-sequence token's text, if any.
     pub fn eos_token(&self) -> Option<String> {
-        self.eos_ids.first().and_then(|&id| self.inner.id_to_token(id))
+        self.eos_ids
+            .first()
+            .and_then(|&id| self.inner.id_to_token(id))
     }
 
     pub fn bos_id(&self) -> Option<u32> {

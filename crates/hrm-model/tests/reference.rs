@@ -11,12 +11,22 @@ const TOLERANCE: f32 = 1e-4;
 const FIXTURES: [&str; 4] = ["hrm-text", "hrm-text-prefix", "llama-gqa", "llama-tied"];
 
 fn block_for(model: &dyn CausalLm, prompt_len: usize) -> usize {
-    if model.info().prefix_lm { prompt_len } else { 0 }
+    if model.info().prefix_lm {
+        prompt_len
+    } else {
+        0
+    }
 }
 
 /// One forward pass of `rows` (extending `caches` when given), logits of every position.
-fn forward(model: &dyn CausalLm, rows: &[Vec<u32>], blocks: &[usize], caches: Vec<&mut SeqCache>) -> Tensor {
-    let mut batch = ForwardBatch::new(rows, blocks, caches, Logits::All, &Device::Cpu, DType::F32).unwrap();
+fn forward(
+    model: &dyn CausalLm,
+    rows: &[Vec<u32>],
+    blocks: &[usize],
+    caches: Vec<&mut SeqCache>,
+) -> Tensor {
+    let mut batch =
+        ForwardBatch::new(rows, blocks, caches, Logits::All, &Device::Cpu, DType::F32).unwrap();
     model.forward(&mut batch).unwrap().logits
 }
 
@@ -27,9 +37,19 @@ fn full_pass_matches_transformers() {
         let model = loaded.model.as_ref();
         let exp = expected(name);
         let block = block_for(model, exp.prompt_len);
-        let logits = forward(model, &[exp.input_ids.clone()], &[block], Vec::new()).squeeze(0).unwrap();
+        let logits = forward(
+            model,
+            std::slice::from_ref(&exp.input_ids),
+            &[block],
+            Vec::new(),
+        )
+        .squeeze(0)
+        .unwrap();
         let diff = max_abs_diff(&logits, &exp.logits_full);
-        assert!(diff < TOLERANCE, "{name}: full pass differs from transformers by {diff}");
+        assert!(
+            diff < TOLERANCE,
+            "{name}: full pass differs from transformers by {diff}"
+        );
     }
 }
 
@@ -42,19 +62,40 @@ fn stepwise_decoding_matches_transformers() {
         let mut cache = SeqCache::new(model.info().cache_slots);
         let prompt = exp.input_ids[..exp.prompt_len].to_vec();
         let block = block_for(model, exp.prompt_len);
-        let mut steps = vec![forward(model, &[prompt], &[block], vec![&mut cache]).squeeze(0).unwrap()];
+        let mut steps = vec![
+            forward(model, &[prompt], &[block], vec![&mut cache])
+                .squeeze(0)
+                .unwrap(),
+        ];
         for &token in &exp.input_ids[exp.prompt_len..] {
-            steps.push(forward(model, &[vec![token]], &[0], vec![&mut cache]).squeeze(0).unwrap());
+            steps.push(
+                forward(model, &[vec![token]], &[0], vec![&mut cache])
+                    .squeeze(0)
+                    .unwrap(),
+            );
         }
         assert_eq!(cache.len(), exp.input_ids.len());
         let logits = Tensor::cat(&steps, 0).unwrap();
         let diff = max_abs_diff(&logits, &exp.logits_stepwise);
-        assert!(diff < TOLERANCE, "{name}: stepwise decoding differs from transformers by {diff}");
+        assert!(
+            diff < TOLERANCE,
+            "{name}: stepwise decoding differs from transformers by {diff}"
+        );
         // And the cached decode agrees with our own full pass.
         let block = block_for(model, exp.prompt_len);
-        let full = forward(model, &[exp.input_ids.clone()], &[block], Vec::new()).squeeze(0).unwrap();
+        let full = forward(
+            model,
+            std::slice::from_ref(&exp.input_ids),
+            &[block],
+            Vec::new(),
+        )
+        .squeeze(0)
+        .unwrap();
         let diff = max_abs_diff(&logits, &full);
-        assert!(diff < TOLERANCE, "{name}: incremental decoding differs from the full pass by {diff}");
+        assert!(
+            diff < TOLERANCE,
+            "{name}: incremental decoding differs from the full pass by {diff}"
+        );
     }
 }
 
@@ -91,19 +132,38 @@ fn padded_batch_matches_single_rows() {
         let mut alone = Vec::new();
         for (row, block) in [(&long, blocks[0]), (&short, blocks[1])] {
             let mut cache = SeqCache::new(slots);
-            let prefill = forward(model, &[row.clone()], &[block], vec![&mut cache]);
+            let prefill = forward(model, std::slice::from_ref(row), &[block], vec![&mut cache]);
             let last = prefill.i((0, row.len() - 1)).unwrap();
-            let step1 = forward(model, &[vec![11]], &[0], vec![&mut cache]).i((0, 0)).unwrap();
-            let step2 = forward(model, &[vec![42]], &[0], vec![&mut cache]).i((0, 0)).unwrap();
+            let step1 = forward(model, &[vec![11]], &[0], vec![&mut cache])
+                .i((0, 0))
+                .unwrap();
+            let step2 = forward(model, &[vec![42]], &[0], vec![&mut cache])
+                .i((0, 0))
+                .unwrap();
             alone.push([last, step1, step2]);
         }
 
         // Both rows in one batch; the short one is left-padded at prefill.
         let (mut c0, mut c1) = (SeqCache::new(slots), SeqCache::new(slots));
-        let prefill = forward(model, &[long.clone(), short.clone()], &blocks, vec![&mut c0, &mut c1]);
+        let prefill = forward(
+            model,
+            &[long.clone(), short.clone()],
+            &blocks,
+            vec![&mut c0, &mut c1],
+        );
         let seq_len = long.len();
-        let step1 = forward(model, &[vec![11], vec![11]], &[0, 0], vec![&mut c0, &mut c1]);
-        let step2 = forward(model, &[vec![42], vec![42]], &[0, 0], vec![&mut c0, &mut c1]);
+        let step1 = forward(
+            model,
+            &[vec![11], vec![11]],
+            &[0, 0],
+            vec![&mut c0, &mut c1],
+        );
+        let step2 = forward(
+            model,
+            &[vec![42], vec![42]],
+            &[0, 0],
+            vec![&mut c0, &mut c1],
+        );
         for (row, single) in alone.iter().enumerate() {
             let batched = [
                 prefill.i((row, seq_len - 1)).unwrap(),
@@ -112,7 +172,10 @@ fn padded_batch_matches_single_rows() {
             ];
             for (step, (a, b)) in single.iter().zip(&batched).enumerate() {
                 let diff = max_abs_diff(a, b);
-                assert!(diff < TOLERANCE, "{name}: row {row} step {step} differs batched vs alone by {diff}");
+                assert!(
+                    diff < TOLERANCE,
+                    "{name}: row {row} step {step} differs batched vs alone by {diff}"
+                );
             }
         }
         assert_eq!((c0.len(), c1.len()), (long.len() + 2, short.len() + 2));

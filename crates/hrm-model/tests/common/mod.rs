@@ -9,11 +9,14 @@ use hrm_model::{LoadedModel, load_model};
 
 /// `tests/fixtures/NAME` at the repository root.
 pub fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
 }
 
 pub fn load(name: &str) -> LoadedModel {
-    load_model(&fixture(name), None, &Device::Cpu, DType::F32).unwrap_or_else(|e| panic!("loading {name}: {e}"))
+    load_model(&fixture(name), None, &Device::Cpu, DType::F32)
+        .unwrap_or_else(|e| panic!("loading {name}: {e}"))
 }
 
 /// What transformers computed for a fixture (see tests/reference/make_fixtures.py).
@@ -26,8 +29,13 @@ pub struct Expected {
 
 pub fn expected(name: &str) -> Expected {
     let tensors: HashMap<String, Tensor> =
-        candle_core::safetensors::load(fixture(name).join("expected.safetensors"), &Device::Cpu).unwrap();
-    let ids: Vec<i64> = tensors["input_ids"].flatten_all().unwrap().to_vec1().unwrap();
+        candle_core::safetensors::load(fixture(name).join("expected.safetensors"), &Device::Cpu)
+            .unwrap();
+    let ids: Vec<i64> = tensors["input_ids"]
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     let prompt_len: Vec<i64> = tensors["prompt_len"].to_vec1().unwrap();
     Expected {
         input_ids: ids.into_iter().map(|i| i as u32).collect(),

@@ -1,0 +1,248 @@
+//! `hrm bench model`: prefill and decode throughput and peak memory of our engine, side by side
+//! with transformers on the same weights, in one run.
+//!
+//! Every measurement runs in a fresh child process (ours: `hrm bench model-run`; transformers:
+//! `benches/transformers_model.py`), so peak RSS belongs to that run alone. Both sides get the
+//! same token ids, prefill the whole batch at once, then decode greedily, one token per sequence
+//! per step, with a KV cache, for the same number of steps (EOS does not stop the run).
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::Context;
+use candle_core::{D, DType, Device};
+use clap::Args;
+use hrm_model::{ForwardBatch, Logits, SeqCache};
+use serde::{Deserialize, Serialize};
+
+#[derive(Args)]
+pub struct ModelBenchArgs {
+    /// Checkpoints to measure (repeatable): HF directories or .gguf files.
+    #[arg(long = "model", required = true)]
+    models: Vec<PathBuf>,
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    batch_sizes: Vec<usize>,
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    #[arg(long, default_value_t = 32)]
+    decode_tokens: usize,
+    /// CPU threads for both sides.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// A Python with torch and transformers: runs the reference side. Without it, only ours.
+    #[arg(long, env = "HRM_REFERENCE_PYTHON")]
+    python: Option<PathBuf>,
+    /// Also write the Markdown table here.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct RunArgs {
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long)]
+    batch: usize,
+    #[arg(long)]
+    prompt_tokens: usize,
+    #[arg(long)]
+    decode_tokens: usize,
+}
+
+/// One measurement; the same JSON comes from `benches/transformers_model.py`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Measurement {
+    pub prefill_tokens_per_s: f64,
+    pub decode_tokens_per_s: f64,
+    pub peak_rss_mb: f64,
+}
+
+pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
+    let exe = std::env::current_exe()?;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/transformers_model.py");
+    let mut table = String::new();
+    writeln!(
+        table,
+        "| model | batch | prefill tok/s hrm | transformers | ratio | decode tok/s hrm | transformers | ratio | peak RSS MB hrm | transformers |"
+    )?;
+    writeln!(table, "|---|---|---|---|---|---|---|---|---|---|")?;
+    for model in &args.models {
+        let name = model
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        for &batch in &args.batch_sizes {
+            eprintln!("measuring {name} at batch {batch}...");
+            let shape = [
+                "--model".to_string(),
+                model.display().to_string(),
+                "--batch".into(),
+                batch.to_string(),
+                "--prompt-tokens".into(),
+                args.prompt_tokens.to_string(),
+                "--decode-tokens".into(),
+                args.decode_tokens.to_string(),
+            ];
+            let mut ours = Command::new(&exe);
+            ours.args(["bench", "model-run"])
+                .args(&shape)
+                .env("RAYON_NUM_THREADS", args.threads.to_string());
+            let ours = measure(ours).with_context(|| format!("hrm on {name}"))?;
+            let theirs = match &args.python {
+                Some(python) => {
+                    let mut cmd = Command::new(python);
+                    cmd.arg(&script)
+                        .arg("run")
+                        .args(&shape)
+                        .args(["--threads", &args.threads.to_string()]);
+                    Some(measure(cmd).with_context(|| format!("transformers on {name}"))?)
+                }
+                None => None,
+            };
+            let cell = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.1}"));
+            let ratio =
+                |a: f64, b: Option<f64>| b.map_or("–".to_string(), |b| format!("{:.2}×", a / b));
+            writeln!(
+                table,
+                "| {name} | {batch} | {:.1} | {} | {} | {:.1} | {} | {} | {:.0} | {} |",
+                ours.prefill_tokens_per_s,
+                cell(theirs.as_ref().map(|t| t.prefill_tokens_per_s)),
+                ratio(
+                    ours.prefill_tokens_per_s,
+                    theirs.as_ref().map(|t| t.prefill_tokens_per_s)
+                ),
+                ours.decode_tokens_per_s,
+                cell(theirs.as_ref().map(|t| t.decode_tokens_per_s)),
+                ratio(
+                    ours.decode_tokens_per_s,
+                    theirs.as_ref().map(|t| t.decode_tokens_per_s)
+                ),
+                ours.peak_rss_mb,
+                cell(theirs.as_ref().map(|t| t.peak_rss_mb)),
+            )?;
+        }
+    }
+    writeln!(
+        table,
+        "\n{} prompt tokens per sequence, {} decode steps, {} CPU threads, f32 activations; ratio = hrm / transformers.",
+        args.prompt_tokens, args.decode_tokens, args.threads
+    )?;
+    print!("{table}");
+    if let Some(out) = &args.out {
+        std::fs::write(out, &table).with_context(|| format!("writing {}", out.display()))?;
+    }
+    Ok(())
+}
+
+fn measure(mut cmd: Command) -> anyhow::Result<Measurement> {
+    let output = cmd.output().context("starting the measurement process")?;
+    anyhow::ensure!(
+        output.status.success(),
+        "measurement failed ({}): {}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let line = stdout
+        .lines()
+        .last()
+        .context("no output from the measurement")?;
+    serde_json::from_str(line).with_context(|| format!("reading {line:?}"))
+}
+
+/// The token ids both sides feed: a fixed pseudo-random walk over the vocabulary, so that
+/// neither side can exploit repetition.
+pub fn bench_ids(batch: usize, len: usize, vocab: usize) -> Vec<Vec<u32>> {
+    let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+    (0..batch)
+        .map(|_| {
+            (0..len)
+                .map(|_| {
+                    state = state
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((state >> 33) % vocab as u64) as u32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+pub fn run_one(args: RunArgs) -> anyhow::Result<()> {
+    let loaded = hrm_model::load_model(&args.model, None, &Device::Cpu, DType::F32)?;
+    let model = loaded.model;
+    let info = model.info().clone();
+    let vocab = info.vocab_size.min(loaded.tokenizer.vocab_size());
+    let prompts = bench_ids(args.batch, args.prompt_tokens, vocab);
+    let block = if info.prefix_lm {
+        args.prompt_tokens
+    } else {
+        0
+    };
+    let blocks = vec![block; args.batch];
+
+    let decode = |steps: usize| -> anyhow::Result<(f64, f64)> {
+        let mut caches: Vec<SeqCache> = (0..args.batch)
+            .map(|_| SeqCache::new(info.cache_slots))
+            .collect();
+        let started = Instant::now();
+        let mut batch = ForwardBatch::new(
+            &prompts,
+            &blocks,
+            caches.iter_mut().collect(),
+            Logits::Last,
+            &info.device,
+            info.dtype,
+        )?;
+        let mut next: Vec<u32> = model
+            .forward(&mut batch)?
+            .logits
+            .argmax(D::Minus1)?
+            .flatten_all()?
+            .to_vec1()?;
+        drop(batch);
+        let prefill = started.elapsed().as_secs_f64();
+        let started = Instant::now();
+        for _ in 0..steps {
+            let rows: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+            let zeros = vec![0; args.batch];
+            let mut batch = ForwardBatch::new(
+                &rows,
+                &zeros,
+                caches.iter_mut().collect(),
+                Logits::Last,
+                &info.device,
+                info.dtype,
+            )?;
+            next = model
+                .forward(&mut batch)?
+                .logits
+                .argmax(D::Minus1)?
+                .flatten_all()?
+                .to_vec1()?;
+        }
+        Ok((prefill, started.elapsed().as_secs_f64()))
+    };
+    decode(2)?; // warm-up: allocator and thread pool
+    let (prefill_s, decode_s) = decode(args.decode_tokens)?;
+    let result = Measurement {
+        prefill_tokens_per_s: (args.batch * args.prompt_tokens) as f64 / prefill_s,
+        decode_tokens_per_s: (args.batch * args.decode_tokens) as f64 / decode_s,
+        peak_rss_mb: peak_rss_mb()?,
+    };
+    println!("{}", serde_json::to_string(&result)?);
+    Ok(())
+}
+
+fn peak_rss_mb() -> anyhow::Result<f64> {
+    let status =
+        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let kb: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmHWM in /proc/self/status")?;
+    Ok(kb / 1024.0)
+}
