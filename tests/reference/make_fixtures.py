@@ -17,6 +17,9 @@ accompanied by `expected.safetensors`:
 * `logits_stepwise`   [1, T, V]  prefill of the prompt, then one token at a time
                                  through transformers' DynamicCache
 
+and, for `hrm-text` and `llama-tied`, `gradients.safetensors`: transformers' causal-LM loss on `input_ids` (`loss`) and the
+gradient of every trainable parameter, under the checkpoint's tensor names.
+
 For `hrm_text` with `prefix_lm`, the prompt carries `token_type_ids == 1`, so it
 is one bidirectional block and the rest is causal, in both passes.
 """
@@ -95,7 +98,48 @@ def expected_outputs(model, input_ids, prompt_len, prefix_lm):
     }
 
 
-def save_fixture(name, model, tok, tok_path, prompt_len=7, total_len=12, prefix_lm=False, max_shard_size=None):
+def on_disk_gradients(model):
+    """Gradients of every trainable parameter, under the names `save_pretrained` writes.
+
+    transformers keeps HRM-Text's projections split in memory and fuses them on disk
+    (`attn.gqkv_proj` = gate, q, k, v; `mlp.gate_up_proj` = gate, up), so the split gradients are
+    concatenated the same way.
+    """
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    out = {}
+    for name in list(grads):
+        if ".self_attn.gate_proj." in name:
+            stem = name.split(".self_attn.gate_proj.")[0]
+            parts = [grads.pop(f"{stem}.self_attn.{p}_proj.weight") for p in ("gate", "q", "k", "v")]
+            out[f"{stem}.attn.gqkv_proj.weight"] = torch.cat(parts, dim=0)
+        elif ".mlp.gate_proj." in name and model.config.model_type == "hrm_text":
+            stem = name.split(".mlp.gate_proj.")[0]
+            parts = [grads.pop(f"{stem}.mlp.{p}_proj.weight") for p in ("gate", "up")]
+            out[f"{stem}.mlp.gate_up_proj.weight"] = torch.cat(parts, dim=0)
+    for name, grad in grads.items():
+        if name in out or grad is None:
+            continue
+        out[name.replace(".self_attn.o_proj.", ".attn.o_proj.") if model.config.model_type == "hrm_text" else name] = grad
+    return {k: v.detach().to(torch.float32).contiguous() for k, v in out.items()}
+
+
+def expected_gradients(model, input_ids):
+    """Next-token cross-entropy (transformers' own loss, labels = inputs) and its gradients,
+    in training mode so that `L_bp_cycles` truncates backpropagation."""
+    model.train()
+    model.zero_grad()
+    out = model(input_ids=input_ids, labels=input_ids, use_cache=False)
+    out.loss.backward()
+    grads = on_disk_gradients(model)
+    grads["loss"] = out.loss.detach().reshape(1).to(torch.float32)
+    model.zero_grad()
+    model.eval()
+    return grads
+
+
+def save_fixture(
+    name, model, tok, tok_path, prompt_len=7, total_len=12, prefix_lm=False, max_shard_size=None, gradients=False
+):
     out_dir = os.path.join(FIXTURES, name)
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir)
@@ -110,6 +154,8 @@ def save_fixture(name, model, tok, tok_path, prompt_len=7, total_len=12, prefix_
     input_ids = torch.tensor([ids], dtype=torch.long)
     expected = expected_outputs(model, input_ids, prompt_len, prefix_lm)
     save_file(expected, os.path.join(out_dir, "expected.safetensors"))
+    if gradients:  # only where training is checked, to keep the fixtures small
+        save_file(expected_gradients(model, input_ids), os.path.join(out_dir, "gradients.safetensors"))
     print(f"wrote {out_dir}: {sum(p.numel() for p in model.parameters())} parameters")
 
 
@@ -141,10 +187,10 @@ def hrm_text_fixture(name, prefix_lm, tok, tok_path):
     # Random z_L_init, so that the test notices if it is ignored (the default init is zeros).
     with torch.no_grad():
         model.model.z_L_init.normal_(0.0, 0.5)
-    save_fixture(name, model, tok, tok_path, prefix_lm=prefix_lm)
+    save_fixture(name, model, tok, tok_path, prefix_lm=prefix_lm, gradients=not prefix_lm)
 
 
-def llama_fixture(name, tok, tok_path, kv_heads, tied, max_shard_size=None):
+def llama_fixture(name, tok, tok_path, kv_heads, tied, max_shard_size=None, gradients=False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(99 + kv_heads + int(tied))
@@ -170,7 +216,7 @@ def llama_fixture(name, tok, tok_path, kv_heads, tied, max_shard_size=None):
         for name_, p in model.named_parameters():
             if "norm" in name_:
                 p.normal_(1.0, 0.2)
-    save_fixture(name, model, tok, tok_path, max_shard_size=max_shard_size)
+    save_fixture(name, model, tok, tok_path, max_shard_size=max_shard_size, gradients=gradients)
 
 
 def gguf_reference():
@@ -224,7 +270,7 @@ def main():
     hrm_text_fixture("hrm-text", False, tok, tok_path)
     hrm_text_fixture("hrm-text-prefix", True, tok, tok_path)
     llama_fixture("llama-gqa", tok, tok_path, kv_heads=2, tied=False, max_shard_size="150KB")
-    llama_fixture("llama-tied", tok, tok_path, kv_heads=4, tied=True)
+    llama_fixture("llama-tied", tok, tok_path, kv_heads=4, tied=True, gradients=True)
     os.remove(tok_path)
     if args.gguf:
         gguf_reference()

@@ -21,6 +21,7 @@ pub mod llama;
 pub mod loader;
 pub mod moe;
 pub mod tokenizer;
+pub mod train;
 
 pub use cache::{ForwardBatch, SeqCache};
 pub use device::{DeviceRequest, select_device};
