@@ -145,7 +145,7 @@ fn the_loss_falls_for_every_family() {
         let before = trainer.evaluate(&rows, 8).unwrap();
         let mut last = None;
         for _ in 0..30 {
-            last = Some(trainer.step(&[rows.clone()]).unwrap());
+            last = Some(trainer.step(std::slice::from_ref(&rows)).unwrap());
         }
         let after = trainer.evaluate(&rows, 8).unwrap();
         let report = last.unwrap();
@@ -167,7 +167,7 @@ fn training_is_deterministic_for_a_seed() {
     let run = |seed| {
         let mut t = trainer("hrm-text", seed);
         for _ in 0..3 {
-            t.step(&[rows.clone()]).unwrap();
+            t.step(std::slice::from_ref(&rows)).unwrap();
         }
         weights(&t.varmap)
     };
@@ -181,7 +181,7 @@ fn micro_batches_accumulate_to_the_full_batch() {
     let rows = corpus_rows(4, 16, 5);
     let mut whole = trainer("llama-gqa", 5);
     let mut split = trainer("llama-gqa", 5);
-    let a = whole.step(&[rows.clone()]).unwrap();
+    let a = whole.step(std::slice::from_ref(&rows)).unwrap();
     let b = split
         .step(&[rows[..2].to_vec(), rows[2..].to_vec()])
         .unwrap();
@@ -199,12 +199,12 @@ fn resuming_from_saved_state_continues_the_same_run() {
     let rows = corpus_rows(4, 16, 9);
     let mut straight = trainer("hrm-text", 21);
     for _ in 0..3 {
-        straight.step(&[rows.clone()]).unwrap();
+        straight.step(std::slice::from_ref(&rows)).unwrap();
     }
 
     let mut first = trainer("hrm-text", 21);
     for _ in 0..2 {
-        first.step(&[rows.clone()]).unwrap();
+        first.step(std::slice::from_ref(&rows)).unwrap();
     }
     let dir = tempfile::tempdir().unwrap();
     first
@@ -227,7 +227,7 @@ fn resuming_from_saved_state_continues_the_same_run() {
             .unwrap();
     resumed.optimizer.load_state(&state).unwrap();
     assert_eq!(resumed.optimizer.steps(), 2);
-    resumed.step(&[rows.clone()]).unwrap();
+    resumed.step(std::slice::from_ref(&rows)).unwrap();
     assert_eq!(
         max_weight_diff(&weights(&straight.varmap), &weights(&resumed.varmap)),
         0.0
