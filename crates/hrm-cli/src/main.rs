@@ -5,6 +5,7 @@
 
 mod bench;
 mod generate;
+mod train;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -29,6 +30,11 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Score continuations given contexts (sum of token log-probabilities).
     Score(generate::ScoreArgs),
+    /// Train a model on a corpus (single process; the centralised baseline).
+    Train(Box<train::TrainArgs>),
+    /// Tokenizer tools.
+    #[command(subcommand)]
+    Tokenizer(train::TokenizerCommand),
     /// Benchmarks (not tests): model throughput next to transformers.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -83,6 +89,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => generate::run_generate(args),
         Command::Score(args) => generate::run_score(args),
+        Command::Train(args) => train::run_train(*args),
+        Command::Tokenizer(cmd) => train::run_tokenizer(cmd),
         Command::Bench(cmd) => bench::run(cmd),
     };
     match result {

@@ -46,10 +46,10 @@ pub struct HrmTextConfig {
     /// As saved by transformers: the KV-slot count `num_layers_per_stack * H_cycles * (L_cycles + 1)`.
     /// A hand-written config without `num_layers_per_stack` gives the real depth here instead.
     pub num_hidden_layers: usize,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_layers_per_stack: Option<usize>,
     pub num_attention_heads: usize,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub head_dim: Option<usize>,
     #[serde(default = "default_hidden_act")]
     pub hidden_act: String,
@@ -59,10 +59,10 @@ pub struct HrmTextConfig {
     pub initializer_range: f64,
     #[serde(default = "default_rms_norm_eps")]
     pub rms_norm_eps: f64,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_parameters: Option<RopeParameters>,
     /// transformers < 5 kept `rope_theta` at the top level.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_theta: Option<f64>,
     #[serde(default)]
     pub attention_bias: bool,
@@ -74,26 +74,30 @@ pub struct HrmTextConfig {
     pub h_cycles: usize,
     #[serde(rename = "L_cycles", default = "default_l_cycles")]
     pub l_cycles: usize,
-    #[serde(rename = "L_bp_cycles", default)]
+    #[serde(
+        rename = "L_bp_cycles",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
     pub l_bp_cycles: Option<Vec<usize>>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub embedding_scale: Option<f64>,
     #[serde(default = "default_true")]
     pub prefix_lm: bool,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bos_token_id: Option<u32>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eos_token_id: Option<EosTokenId>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pad_token_id: Option<u32>,
     /// `hrm_text_moe` only: experts per block.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_experts: Option<usize>,
     /// `hrm_text_moe` only: experts each token is routed to.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_experts_per_tok: Option<usize>,
     /// `hrm_text_moe` only: weight of the load-balancing loss in the training objective.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router_aux_loss_coef: Option<f64>,
 }
 

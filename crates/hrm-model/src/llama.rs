@@ -30,9 +30,9 @@ pub struct LlamaConfig {
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_key_value_heads: Option<usize>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub head_dim: Option<usize>,
     #[serde(default = "default_hidden_act")]
     pub hidden_act: String,
@@ -40,9 +40,9 @@ pub struct LlamaConfig {
     pub max_position_embeddings: usize,
     #[serde(default = "default_rms_norm_eps")]
     pub rms_norm_eps: f64,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_parameters: Option<RopeParameters>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rope_theta: Option<f64>,
     #[serde(default)]
     pub tie_word_embeddings: bool,
@@ -50,9 +50,9 @@ pub struct LlamaConfig {
     pub attention_bias: bool,
     #[serde(default)]
     pub mlp_bias: bool,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bos_token_id: Option<u32>,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eos_token_id: Option<EosTokenId>,
 }
 

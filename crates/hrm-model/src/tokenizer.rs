@@ -201,3 +201,47 @@ fn eos_from_tokenizer_config(tokenizer_path: &Path, tokenizer: &Tokenizer) -> Op
     };
     tokenizer.token_to_id(&eos)
 }
+
+/// The end-of-text token of tokenizers trained here: id 0, also the document separator.
+pub const END_OF_TEXT: &str = "<|endoftext|>";
+
+/// Trains a byte-level BPE of `vocab_size` tokens (including the 256 byte symbols and
+/// [`END_OF_TEXT`]) on text files, the way GPT-2's tokenizer is built.
+pub fn train_byte_level_bpe(files: &[std::path::PathBuf], vocab_size: usize) -> Result<Tokenizer> {
+    use tokenizers::models::bpe::BpeTrainerBuilder;
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel as ByteLevelPre;
+    use tokenizers::{
+        DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
+        TokenizerBuilder,
+    };
+
+    let mut trainer = BpeTrainerBuilder::new()
+        .vocab_size(vocab_size)
+        .min_frequency(2)
+        .show_progress(false)
+        .special_tokens(vec![AddedToken::from(END_OF_TEXT, true)])
+        .initial_alphabet(ByteLevelPre::alphabet().into_iter().collect())
+        .build();
+    let mut tokenizer = TokenizerBuilder::<
+        BPE,
+        NormalizerWrapper,
+        PreTokenizerWrapper,
+        PostProcessorWrapper,
+        DecoderWrapper,
+    >::new()
+    .with_model(BPE::default())
+    .with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
+        false, true, true,
+    ))))
+    .with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::default())))
+    .with_post_processor(Some(PostProcessorWrapper::ByteLevel(ByteLevel::new(
+        false, false, true,
+    ))))
+    .build()
+    .map_err(|e| Error::Tokenizer(e.to_string()))?;
+    let files: Vec<String> = files.iter().map(|p| p.display().to_string()).collect();
+    tokenizer
+        .train_from_files(&mut trainer, files)
+        .map_err(|e| Error::Tokenizer(format!("training: {e}")))?;
+    Ok(tokenizer.into())
+}

@@ -485,3 +485,143 @@ fn global_norm(grads: &HashMap<String, Tensor>) -> Result<f32> {
     }
     Ok(sum.sqrt() as f32)
 }
+
+/// Token ids of a training text: a `.txt` corpus (one paragraph per line, documents separated by
+/// blank lines, as `data/build_corpus.py` writes) or gzip JSON lines (`.jsonl.gz`, one
+/// `{"text": ...}` document per line, the hub's batch format). Paragraphs are joined by newlines;
+/// documents are separated by the end-of-text token `eot`.
+pub fn corpus_tokens(path: &Path, tokenizer: &tokenizers::Tokenizer, eot: u32) -> Result<Vec<u32>> {
+    let documents = read_documents(path)?;
+    let encodings = tokenizer
+        .encode_batch(documents, false)
+        .map_err(|e| Error::Tokenizer(e.to_string()))?;
+    let mut tokens = Vec::new();
+    for enc in encodings {
+        tokens.extend_from_slice(enc.get_ids());
+        tokens.push(eot);
+    }
+    Ok(tokens)
+}
+
+fn read_documents(path: &Path) -> Result<Vec<String>> {
+    let name = path.to_string_lossy();
+    if name.ends_with(".jsonl.gz") || name.ends_with(".jsonl") {
+        use std::io::{BufRead, BufReader};
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let reader: Box<dyn BufRead> = if name.ends_with(".gz") {
+            Box::new(BufReader::new(flate2::read::GzDecoder::new(file)))
+        } else {
+            Box::new(BufReader::new(file))
+        };
+        let mut docs = Vec::new();
+        for (i, line) in reader.lines().enumerate() {
+            let line = line.map_err(|e| Error::io(path, e))?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            let value: serde_json::Value = serde_json::from_str(&line)
+                .map_err(|e| Error::InvalidInput(format!("{}:{}: {e}", path.display(), i + 1)))?;
+            let text = value["text"].as_str().ok_or_else(|| {
+                Error::InvalidInput(format!("{}:{}: no \"text\" string", path.display(), i + 1))
+            })?;
+            docs.push(text.to_string());
+        }
+        return Ok(docs);
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    Ok(text
+        .split("\n\n")
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(String::from)
+        .collect())
+}
+
+/// `count` random windows of `len` tokens, drawn from a generator seeded with `seed`.
+pub fn sample_windows(
+    tokens: &[u32],
+    count: usize,
+    len: usize,
+    seed: u64,
+) -> Result<Vec<Vec<u32>>> {
+    use rand::Rng;
+    if tokens.len() <= len {
+        return Err(Error::InvalidInput(format!(
+            "the corpus has {} tokens, fewer than one window of {len}",
+            tokens.len()
+        )));
+    }
+    let mut rng = StdRng::seed_from_u64(seed);
+    Ok((0..count)
+        .map(|_| {
+            let start = rng.random_range(0..=tokens.len() - len);
+            tokens[start..start + len].to_vec()
+        })
+        .collect())
+}
+
+/// Up to `count` evenly spaced, non-overlapping windows of `len` tokens (a fixed evaluation set).
+pub fn evaluation_windows(tokens: &[u32], count: usize, len: usize) -> Vec<Vec<u32>> {
+    let available = tokens.len() / len.max(1);
+    let count = count.min(available);
+    if count == 0 {
+        return Vec::new();
+    }
+    let stride = available / count;
+    (0..count)
+        .map(|i| tokens[i * stride * len..(i * stride + 1) * len].to_vec())
+        .collect()
+}
+
+/// Writes a Hugging Face checkpoint: `config.json`, `model.safetensors` in `dtype`, and the
+/// tokenizer (`tokenizer.json`, `tokenizer_config.json`) beside it. `z_L_init` and the MoE
+/// router stay in f32, as transformers keeps them.
+pub fn save_pretrained(
+    dir: &Path,
+    spec: &ModelSpec,
+    varmap: &VarMap,
+    dtype: DType,
+    tokenizer: &tokenizers::Tokenizer,
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let mut tensors = HashMap::new();
+    for (name, var) in sorted_vars(varmap) {
+        let keep_f32 = name.ends_with("z_L_init") || name.ends_with("router.weight");
+        let t = var.as_tensor().detach();
+        tensors.insert(name, if keep_f32 { t } else { t.to_dtype(dtype)? });
+    }
+    let model_path = dir.join("model.safetensors");
+    let tmp = dir.join("model.safetensors.tmp");
+    candle_core::safetensors::save(&tensors, &tmp)?;
+    std::fs::rename(&tmp, &model_path).map_err(|e| Error::io(&model_path, e))?;
+
+    let mut config = spec.to_config_json();
+    config["dtype"] = serde_json::json!(match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    });
+    let eot = tokenizer.token_to_id(crate::tokenizer::END_OF_TEXT);
+    if let Some(eot) = eot {
+        config["eos_token_id"] = eot.into();
+        config["pad_token_id"] = eot.into();
+    }
+    write_json(&dir.join("config.json"), &config)?;
+    tokenizer
+        .save(dir.join("tokenizer.json"), false)
+        .map_err(|e| Error::Tokenizer(e.to_string()))?;
+    write_json(
+        &dir.join("tokenizer_config.json"),
+        &serde_json::json!({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": crate::tokenizer::END_OF_TEXT,
+            "pad_token": crate::tokenizer::END_OF_TEXT,
+            "bos_token": null,
+        }),
+    )
+}
+
+fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).expect("JSON serialises");
+    std::fs::write(path, text + "\n").map_err(|e| Error::io(path, e))
+}
