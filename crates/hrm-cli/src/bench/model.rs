@@ -17,6 +17,8 @@ use clap::Args;
 use hrm_model::{ForwardBatch, Logits, SeqCache};
 use serde::{Deserialize, Serialize};
 
+use super::measure;
+
 #[derive(Args)]
 pub struct ModelBenchArgs {
     /// Checkpoints to measure (repeatable): HF directories or .gguf files.
@@ -89,7 +91,7 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
             ours.args(["bench", "model-run"])
                 .args(&shape)
                 .env("RAYON_NUM_THREADS", args.threads.to_string());
-            let ours = measure(ours).with_context(|| format!("hrm on {name}"))?;
+            let ours: Measurement = measure(ours).with_context(|| format!("hrm on {name}"))?;
             let theirs = match &args.python {
                 Some(python) => {
                     let mut cmd = Command::new(python);
@@ -97,7 +99,10 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
                         .arg("run")
                         .args(&shape)
                         .args(["--threads", &args.threads.to_string()]);
-                    Some(measure(cmd).with_context(|| format!("transformers on {name}"))?)
+                    Some(
+                        measure::<Measurement>(cmd)
+                            .with_context(|| format!("transformers on {name}"))?,
+                    )
                 }
                 None => None,
             };
@@ -134,22 +139,6 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         std::fs::write(out, &table).with_context(|| format!("writing {}", out.display()))?;
     }
     Ok(())
-}
-
-fn measure(mut cmd: Command) -> anyhow::Result<Measurement> {
-    let output = cmd.output().context("starting the measurement process")?;
-    anyhow::ensure!(
-        output.status.success(),
-        "measurement failed ({}): {}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let line = stdout
-        .lines()
-        .last()
-        .context("no output from the measurement")?;
-    serde_json::from_str(line).with_context(|| format!("reading {line:?}"))
 }
 
 /// The token ids both sides feed: a fixed pseudo-random walk over the vocabulary, so that

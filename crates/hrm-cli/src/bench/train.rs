@@ -1,0 +1,169 @@
+//! `hrm bench train`: training tokens/s of our trainer next to PyTorch (transformers' model,
+//! `torch.optim.AdamW`) on the same config and batch shape, in one run.
+//!
+//! Each side runs in its own process: one warm-up step, then `--steps` timed optimiser steps of
+//! `--batch-size` sequences of `--seq-len` tokens (random ids), with gradient clipping. For
+//! `hrm_text_moe`, transformers has no implementation; its column then runs the dense `hrm_text`
+//! with the same active size (the MoE config with one expert per token), and says so.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::Context;
+use candle_core::Device;
+use clap::Args;
+use hrm_model::train::{AdamWConfig, LrSchedule, ModelSpec, ScheduleKind, Trainer};
+use serde::{Deserialize, Serialize};
+
+use super::measure;
+use super::model::bench_ids;
+
+#[derive(Args)]
+pub struct TrainBenchArgs {
+    /// Model configs to measure (repeatable).
+    #[arg(long = "config", required = true)]
+    configs: Vec<PathBuf>,
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    #[arg(long, default_value_t = 8)]
+    micro_batch: usize,
+    #[arg(long, default_value_t = 128)]
+    seq_len: usize,
+    /// Timed optimiser steps (after one warm-up step).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// A Python with torch and transformers for the reference side.
+    #[arg(long, env = "HRM_REFERENCE_PYTHON")]
+    python: Option<PathBuf>,
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+#[derive(Args)]
+pub struct TrainRunArgs {
+    #[arg(long)]
+    config: PathBuf,
+    #[arg(long)]
+    batch_size: usize,
+    #[arg(long)]
+    micro_batch: usize,
+    #[arg(long)]
+    seq_len: usize,
+    #[arg(long)]
+    steps: usize,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct TrainMeasurement {
+    pub tokens_per_s: f64,
+    #[serde(default)]
+    pub note: Option<String>,
+}
+
+pub fn run(args: TrainBenchArgs) -> anyhow::Result<()> {
+    let exe = std::env::current_exe()?;
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/transformers_train.py");
+    let mut table = String::from(
+        "| config | hrm tok/s | PyTorch tok/s | ratio | note |\n|---|---|---|---|---|\n",
+    );
+    for config in &args.configs {
+        let name = config
+            .file_stem()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        eprintln!("measuring training of {name}...");
+        let shape = [
+            "--config".to_string(),
+            config.display().to_string(),
+            "--batch-size".into(),
+            args.batch_size.to_string(),
+            "--micro-batch".into(),
+            args.micro_batch.to_string(),
+            "--seq-len".into(),
+            args.seq_len.to_string(),
+            "--steps".into(),
+            args.steps.to_string(),
+        ];
+        let mut ours = Command::new(&exe);
+        ours.args(["bench", "train-run"])
+            .args(&shape)
+            .env("RAYON_NUM_THREADS", args.threads.to_string());
+        let ours: TrainMeasurement = measure(ours).with_context(|| format!("hrm on {name}"))?;
+        let theirs = match &args.python {
+            Some(python) => {
+                let mut cmd = Command::new(python);
+                cmd.arg(&script)
+                    .args(&shape)
+                    .args(["--threads", &args.threads.to_string()]);
+                Some(
+                    measure::<TrainMeasurement>(cmd)
+                        .with_context(|| format!("PyTorch on {name}"))?,
+                )
+            }
+            None => None,
+        };
+        writeln!(
+            table,
+            "| {name} | {:.0} | {} | {} | {} |",
+            ours.tokens_per_s,
+            theirs
+                .as_ref()
+                .map_or("–".into(), |t| format!("{:.0}", t.tokens_per_s)),
+            theirs.as_ref().map_or("–".into(), |t| format!(
+                "{:.2}×",
+                ours.tokens_per_s / t.tokens_per_s
+            )),
+            theirs.and_then(|t| t.note).unwrap_or_default(),
+        )?;
+    }
+    writeln!(
+        table,
+        "\n{} sequences × {} tokens per step ({} per micro-batch), {} timed steps, {} threads, f32.",
+        args.batch_size, args.seq_len, args.micro_batch, args.steps, args.threads
+    )?;
+    print!("{table}");
+    if let Some(out) = &args.out {
+        std::fs::write(out, &table)?;
+    }
+    Ok(())
+}
+
+pub fn run_one(args: TrainRunArgs) -> anyhow::Result<()> {
+    let spec = ModelSpec::from_config_file(&args.config)?;
+    let schedule = LrSchedule {
+        peak: 1e-3,
+        warmup_steps: 1,
+        total_steps: args.steps + 1,
+        kind: ScheduleKind::Constant,
+        min_ratio: 1.0,
+    };
+    let mut trainer = Trainer::new(
+        spec.clone(),
+        0,
+        schedule,
+        AdamWConfig::default(),
+        1.0,
+        &Device::Cpu,
+    )?;
+    let rows = bench_ids(args.batch_size, args.seq_len + 1, spec.vocab_size());
+    let micro: Vec<Vec<Vec<u32>>> = rows
+        .chunks(args.micro_batch.max(1))
+        .map(<[_]>::to_vec)
+        .collect();
+    trainer.step(&micro)?;
+    let started = Instant::now();
+    for _ in 0..args.steps {
+        trainer.step(&micro)?;
+    }
+    let tokens = (args.steps * args.batch_size * args.seq_len) as f64;
+    let result = TrainMeasurement {
+        tokens_per_s: tokens / started.elapsed().as_secs_f64(),
+        note: None,
+    };
+    println!("{}", serde_json::to_string(&result)?);
+    Ok(())
+}
