@@ -12,23 +12,14 @@ expert's width times experts per token), and the note says so.
 
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
 
-MASK64 = (1 << 64) - 1
-
-
-def bench_ids(batch, length, vocab):
-    state = 0x2545F4914F6CDD1D
-    rows = []
-    for _ in range(batch):
-        row = []
-        for _ in range(length):
-            state = (state * 6364136223846793005 + 1442695040888963407) & MASK64
-            row.append((state >> 33) % vocab)
-        rows.append(row)
-    return rows
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import bench_ids  # noqa: E402
 
 
 def main():

@@ -14,7 +14,7 @@
 use std::collections::VecDeque;
 use std::hash::{BuildHasher, RandomState};
 
-use candle_core::{D, DType, Tensor};
+use candle_core::{D, DType};
 use candle_transformers::generation::{LogitsProcessor, Sampling};
 
 use crate::cache::{ForwardBatch, SeqCache};
@@ -558,18 +558,4 @@ fn describe_position(logprobs: &[f32], token: u32, top_n: usize) -> TokenLogprob
         is_greedy: logprobs[best as usize] <= logprobs[token as usize],
         top,
     }
-}
-
-/// A convenience for tests and tools: the full-pass logits of one token sequence.
-pub fn full_pass_logits(model: &dyn CausalLm, tokens: &[u32], block: usize) -> Result<Tensor> {
-    let info = model.info();
-    let mut batch = ForwardBatch::new(
-        &[tokens.to_vec()],
-        &[block],
-        Vec::new(),
-        Logits::All,
-        &info.device,
-        info.dtype,
-    )?;
-    Ok(model.forward(&mut batch)?.logits)
 }

@@ -21,8 +21,6 @@
 //! During training only the last `L_bp_cycles` low-level iterations of each high-level cycle
 //! carry gradients; the earlier ones are detached, as transformers runs them under `no_grad`.
 
-use std::path::Path;
-
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
@@ -32,7 +30,7 @@ use crate::layers::{
     Attention, AttnContext, AttnInput, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm,
     RopeLayout, Rotary, SwiGlu,
 };
-use crate::loader::ModelFamily;
+use crate::loader::{ModelConfig, ModelFamily};
 use crate::moe::MoeMlp;
 use crate::{CausalLm, Logits, ModelInfo, ModelOutput};
 
@@ -150,22 +148,8 @@ fn default_rope_type() -> String {
     "default".into()
 }
 
-impl HrmTextConfig {
-    pub fn from_file(path: &Path) -> crate::Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| crate::Error::io(path, e))?;
-        let config: Self = serde_json::from_str(&text).map_err(|e| crate::Error::Config {
-            path: path.into(),
-            message: e.to_string(),
-        })?;
-        config.validate().map_err(|message| crate::Error::Config {
-            path: path.into(),
-            message,
-        })?;
-        Ok(config)
-    }
-
-    /// Every rule a config must meet before a model is built from it.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+impl ModelConfig for HrmTextConfig {
+    fn validate(&self) -> std::result::Result<(), String> {
         if self.model_type != "hrm_text" && self.model_type != "hrm_text_moe" {
             return Err(format!(
                 "model_type {:?} is not hrm_text or hrm_text_moe",
@@ -214,7 +198,9 @@ impl HrmTextConfig {
         }
         Ok(())
     }
+}
 
+impl HrmTextConfig {
     pub fn is_moe(&self) -> bool {
         self.model_type == "hrm_text_moe"
     }

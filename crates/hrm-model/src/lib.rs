@@ -27,7 +27,7 @@ pub use cache::{ForwardBatch, SeqCache};
 pub use device::{DeviceRequest, select_device};
 pub use engine::{Engine, FinishReason, GenerateParams, Generation, TokenLogprob};
 pub use error::{Error, Result};
-pub use loader::{LoadedModel, ModelFamily, load_model};
+pub use loader::{LoadedModel, ModelConfig, ModelFamily, load_model};
 pub use tokenizer::TextTokenizer;
 
 use candle_core::{DType, Device, Tensor};

@@ -4,8 +4,6 @@
 //! GGUF stores the q and k rows permuted for llama.cpp's interleaved rotary pairs, so GGUF models
 //! use [`RopeLayout::Interleaved`] on the stored weights instead of un-permuting them.
 
-use std::path::Path;
-
 use candle_core::quantized::{QMatMul, gguf_file};
 use candle_core::{DType, Device, Module, Result};
 use candle_nn::VarBuilder;
@@ -17,7 +15,7 @@ use crate::layers::{
     Attention, AttnContext, AttnInput, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm,
     RopeLayout, Rotary, SwiGlu,
 };
-use crate::loader::ModelFamily;
+use crate::loader::{ModelConfig, ModelFamily};
 use crate::{CausalLm, Logits, ModelInfo, ModelOutput};
 
 /// `config.json` of a `llama` checkpoint.
@@ -69,21 +67,8 @@ fn default_rms_norm_eps() -> f64 {
     1e-6
 }
 
-impl LlamaConfig {
-    pub fn from_file(path: &Path) -> crate::Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| crate::Error::io(path, e))?;
-        let config: Self = serde_json::from_str(&text).map_err(|e| crate::Error::Config {
-            path: path.into(),
-            message: e.to_string(),
-        })?;
-        config.validate().map_err(|message| crate::Error::Config {
-            path: path.into(),
-            message,
-        })?;
-        Ok(config)
-    }
-
-    pub fn validate(&self) -> std::result::Result<(), String> {
+impl ModelConfig for LlamaConfig {
+    fn validate(&self) -> std::result::Result<(), String> {
         if self.hidden_act != "silu" {
             return Err(format!(
                 "hidden_act {:?} is not supported (only silu)",
@@ -113,7 +98,9 @@ impl LlamaConfig {
         }
         Ok(())
     }
+}
 
+impl LlamaConfig {
     pub fn kv_heads(&self) -> usize {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
     }

@@ -27,6 +27,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::hrm_text::{HrmText, HrmTextConfig};
 use crate::llama::{Llama, LlamaConfig};
+use crate::loader::ModelConfig;
 use crate::{CausalLm, Error, ForwardBatch, Logits, Result};
 
 /// A trainable architecture and its config.

@@ -9,7 +9,7 @@ use candle_nn::{VarBuilder, VarMap};
 use common::fixture;
 use hrm_model::hrm_text::{HrmText, HrmTextConfig};
 use hrm_model::llama::{Llama, LlamaConfig};
-use hrm_model::{CausalLm, ForwardBatch, Logits};
+use hrm_model::{CausalLm, ForwardBatch, Logits, ModelConfig};
 
 fn assert_every_parameter_learns(model: &dyn CausalLm, varmap: &VarMap, what: &str) {
     let rows = vec![

@@ -10,7 +10,7 @@ use candle_nn::{VarBuilder, VarMap};
 use common::{expected, fixture, max_abs_diff};
 use hrm_model::hrm_text::{HrmText, HrmTextConfig};
 use hrm_model::moe::MoeMlp;
-use hrm_model::{CausalLm, ForwardBatch, Logits};
+use hrm_model::{CausalLm, ForwardBatch, Logits, ModelConfig};
 
 fn logits(model: &dyn CausalLm, rows: &[Vec<u32>]) -> Tensor {
     let info = model.info();
