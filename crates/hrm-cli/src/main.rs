@@ -5,6 +5,7 @@
 
 mod bench;
 mod generate;
+mod serve;
 mod train;
 
 use std::path::PathBuf;
@@ -26,6 +27,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the HTTP inference service (v1 contract; see docs/api.md).
+    Serve(Box<hrm_serve::ServeArgs>),
     /// Generate completions for prompts with a local checkpoint.
     Generate(generate::GenerateArgs),
     /// Score continuations given contexts (sum of token log-probabilities).
@@ -77,21 +80,31 @@ impl ModelArgs {
     }
 }
 
-fn main() -> ExitCode {
+fn init_logging(default_level: &str) {
+    // HRM_LOG takes a full tracing filter (e.g. "info,hrm_serve=debug") and wins over the level.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("HRM_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("HRM_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .init();
+}
+
+fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Generate(args) => generate::run_generate(args),
-        Command::Score(args) => generate::run_score(args),
-        Command::Train(args) => train::run_train(*args),
-        Command::Tokenizer(cmd) => train::run_tokenizer(cmd),
-        Command::Bench(cmd) => bench::run(cmd),
+        Command::Serve(args) => serve::run(*args),
+        command => {
+            init_logging("info");
+            match command {
+                Command::Generate(args) => generate::run_generate(args),
+                Command::Score(args) => generate::run_score(args),
+                Command::Train(args) => train::run_train(*args),
+                Command::Tokenizer(cmd) => train::run_tokenizer(cmd),
+                Command::Bench(cmd) => bench::run(cmd),
+                Command::Serve(_) => unreachable!("handled above"),
+            }
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,9 +1,209 @@
 //! `hrm serve`: the HTTP inference service (specification: `shared/spec/inference-service.md`).
 //!
-//! This crate will own the v1 contract (`/generate`, `/loglikelihood`, `/healthz`, `/readyz`,
-//! `/metrics`), the OpenAI-compatible `/v1/completions` and tokenizer routes for
-//! lm-evaluation-harness, request validation, the continuous-batching scheduler that drives
-//! `hrm_model::Engine`, authentication, CORS, configuration and graceful shutdown.
+//! This crate owns the v1 contract (`/generate`, `/loglikelihood`, `/healthz`, `/readyz`,
+//! `/metrics`), request validation ([`validation`]), the error shape ([`error`]), settings
+//! ([`config`]) and the continuous-batching [`scheduler`] that drives `hrm_model::Engine`.
 //!
-//! Status: an empty shell. The service lands with its own issue; the engine it drives is in
-//! `hrm-model` and already usable through `hrm generate` and `hrm score`.
+//! The listener comes up first and `/readyz` answers 503 `{"status":"loading"}` while the model
+//! loads in the background; a failed load ends the process with an error.
+
+pub mod config;
+pub mod error;
+pub mod routes;
+pub mod scheduler;
+pub mod validation;
+
+use std::sync::{Arc, OnceLock};
+
+use anyhow::Context;
+use axum::Router;
+use hrm_model::Engine;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+pub use config::{ServeArgs, ServeConfig};
+use scheduler::{Scheduler, SchedulerConfig};
+use validation::Limits;
+
+/// What every handler can reach. The model parts are set once loading finishes.
+#[derive(Clone)]
+pub struct AppState {
+    ready: Arc<OnceLock<Ready>>,
+    pub limits: Limits,
+    metrics: PrometheusHandle,
+}
+
+/// The loaded model and the scheduler in front of it.
+#[derive(Clone)]
+pub struct Ready {
+    pub engine: Arc<Engine>,
+    pub scheduler: Scheduler,
+    /// `cpu`, `cuda:0`, ...
+    pub device: String,
+}
+
+impl AppState {
+    pub fn new(limits: Limits) -> Self {
+        Self {
+            ready: Arc::new(OnceLock::new()),
+            limits,
+            metrics: metrics_handle(),
+        }
+    }
+
+    pub fn ready(&self) -> Option<&Ready> {
+        self.ready.get()
+    }
+
+    /// Marks the service ready with a loaded engine and its scheduler.
+    pub fn set_ready(&self, ready: Ready) {
+        let _ = self.ready.set(ready);
+    }
+
+    pub fn metrics(&self) -> &PrometheusHandle {
+        &self.metrics
+    }
+}
+
+/// One Prometheus recorder per process (the `metrics` facade has one global recorder).
+fn metrics_handle() -> PrometheusHandle {
+    static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+    HANDLE
+        .get_or_init(|| {
+            let buckets = [
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                60.0,
+            ];
+            let recorder = PrometheusBuilder::new()
+                .set_buckets(&buckets)
+                .expect("valid buckets")
+                .build_recorder();
+            let handle = recorder.handle();
+            // Another recorder may already be installed (tests build several states); the handle
+            // still renders what this recorder saw.
+            let _ = metrics::set_global_recorder(recorder);
+            handle
+        })
+        .clone()
+}
+
+/// Loads the model named by `config` into an engine.
+pub fn load_engine(config: &ServeConfig) -> anyhow::Result<(Engine, String)> {
+    let device = hrm_model::select_device(config.device)?;
+    let label = hrm_model::device::device_label(&device);
+    let loaded = hrm_model::load_model(
+        &config.model_path,
+        config.tokenizer_path.as_deref(),
+        &device,
+        candle_core::DType::F32,
+    )
+    .with_context(|| format!("loading the model from {}", config.model_path.display()))?;
+    let engine = Engine::new(loaded, config.context_window)?;
+    Ok((engine, label))
+}
+
+/// Marks `state` ready with `engine`, starting its scheduler.
+pub fn attach_engine(state: &AppState, engine: Engine, device: String, config: &ServeConfig) {
+    let engine = Arc::new(engine);
+    let scheduler = Scheduler::start(
+        engine.clone(),
+        SchedulerConfig {
+            max_batch_size: config.max_batch_size,
+            queue_capacity: config.queue_capacity,
+            backpressure: config.backpressure,
+        },
+    );
+    state.set_ready(Ready {
+        engine,
+        scheduler,
+        device,
+    });
+}
+
+pub fn limits(config: &ServeConfig) -> Limits {
+    Limits {
+        max_new_tokens: config.max_new_tokens,
+        ..Limits::default()
+    }
+}
+
+/// Runs the service until SIGINT or SIGTERM, then drains in-flight requests and returns.
+pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
+    let addr = format!("{}:{}", config.host, config.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    run(config, listener, shutdown_signal()).await
+}
+
+/// Serves on `listener` until `shutdown` completes, then stops accepting, lets every in-flight
+/// request finish, and returns. The model loads in the background meanwhile; a failed load
+/// ends the run with its error.
+pub async fn run(
+    config: ServeConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let state = AppState::new(limits(&config));
+    let app: Router = routes::router(state.clone(), config.max_body_bytes);
+    tracing::info!(addr = %listener.local_addr()?, model = %config.model_path.display(), "listening; loading the model");
+
+    let started = std::time::Instant::now();
+    let load_config = config.clone();
+    let loading = tokio::task::spawn_blocking(move || load_engine(&load_config));
+    let (failed_tx, mut failed_rx) = tokio::sync::oneshot::channel::<anyhow::Error>();
+    let load_state = state.clone();
+    tokio::spawn(async move {
+        match loading.await {
+            Ok(Ok((engine, device))) => {
+                tracing::info!(
+                    model = engine.name(),
+                    family = engine.info().family.as_str(),
+                    format = engine.format(),
+                    device = %device,
+                    context_window = engine.context_window(),
+                    seconds = started.elapsed().as_secs_f64(),
+                    "model loaded; ready"
+                );
+                attach_engine(&load_state, engine, device, &config);
+            }
+            Ok(Err(e)) => {
+                let _ = failed_tx.send(e);
+            }
+            Err(e) => {
+                let _ = failed_tx.send(anyhow::anyhow!("the loading task failed: {e}"));
+            }
+        }
+    });
+
+    let server = axum::serve(listener, app).with_graceful_shutdown(async {
+        shutdown.await;
+        tracing::info!("shutdown requested; draining in-flight requests");
+    });
+    tokio::select! {
+        result = server => result.context("serving HTTP")?,
+        Ok(error) = &mut failed_rx => return Err(error),
+    }
+    tracing::info!("drained; bye");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = terminate => {},
+    }
+}

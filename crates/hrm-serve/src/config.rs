@@ -1,0 +1,255 @@
+//! `hrm serve` settings: command-line flags, then environment variables, then the `serve:`
+//! section of a YAML file, then defaults (highest first).
+//!
+//! The YAML file is `--config PATH` (or `HRM_CONFIG`); without either, `./hrm.yaml` is read when
+//! it exists. `--print-config` prints the effective settings with secrets redacted.
+
+use std::path::{Path, PathBuf};
+
+use clap::Args;
+use hrm_model::DeviceRequest;
+use serde::{Deserialize, Serialize};
+
+/// The flags of `hrm serve`. Every value is optional here so that precedence can be resolved
+/// against the YAML file; `clap` itself fills in the environment variables.
+#[derive(Args, Debug, Default, Clone)]
+pub struct ServeArgs {
+    /// YAML file whose `serve:` section supplies defaults (default: ./hrm.yaml if present).
+    #[arg(long, env = "HRM_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address to bind (default 0.0.0.0).
+    #[arg(long)]
+    pub host: Option<String>,
+    /// Port to bind (default 8000).
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// Checkpoint directory or .gguf file (default models/sample).
+    #[arg(long, env = "HRM_MODEL_PATH")]
+    pub model_path: Option<PathBuf>,
+    /// tokenizer.json overriding the checkpoint's own.
+    #[arg(long, env = "HRM_TOKENIZER_PATH")]
+    pub tokenizer_path: Option<PathBuf>,
+    /// cpu, cuda or mps (default: auto-detect).
+    #[arg(long, env = "HRM_DEVICE")]
+    pub device: Option<DeviceRequest>,
+    /// Sequences decoded together (default 16).
+    #[arg(long, env = "HRM_MAX_BATCH_SIZE")]
+    pub max_batch_size: Option<usize>,
+    /// Cap on max_tokens per request (default 1024).
+    #[arg(long, env = "HRM_MAX_NEW_TOKENS")]
+    pub max_new_tokens: Option<usize>,
+    /// Context window in tokens (default: the model's max_position_embeddings).
+    #[arg(long)]
+    pub context_window: Option<usize>,
+    /// Requests that may wait for the scheduler (default 256).
+    #[arg(long, env = "HRM_QUEUE_CAPACITY")]
+    pub queue_capacity: Option<usize>,
+    /// Answer 429 when the queue is full instead of waiting.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub backpressure: Option<bool>,
+    /// Largest accepted request body in bytes (default 4 MiB).
+    #[arg(long)]
+    pub max_body_bytes: Option<usize>,
+    /// Log level: error, warn, info, debug, trace (default info, or a logging config file).
+    #[arg(long)]
+    pub log_level: Option<String>,
+    /// Print the effective configuration (secrets redacted) and exit.
+    #[arg(long)]
+    pub print_config: bool,
+    /// Load the model and tokenizer, report, and exit without listening.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+/// The `serve:` section of the YAML file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeFileSection {
+    pub host: Option<String>,
+    pub port: Option<u16>,
+    pub model_path: Option<PathBuf>,
+    pub tokenizer_path: Option<PathBuf>,
+    pub device: Option<DeviceRequest>,
+    pub max_batch_size: Option<usize>,
+    pub max_new_tokens: Option<usize>,
+    pub context_window: Option<usize>,
+    pub queue_capacity: Option<usize>,
+    pub backpressure: Option<bool>,
+    pub max_body_bytes: Option<usize>,
+    pub log_level: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct ConfigFile {
+    #[serde(default)]
+    serve: Option<ServeFileSection>,
+}
+
+/// The effective settings.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ServeConfig {
+    pub host: String,
+    pub port: u16,
+    pub model_path: PathBuf,
+    pub tokenizer_path: Option<PathBuf>,
+    pub device: DeviceRequest,
+    pub max_batch_size: usize,
+    pub max_new_tokens: usize,
+    pub context_window: Option<usize>,
+    pub queue_capacity: usize,
+    pub backpressure: bool,
+    pub max_body_bytes: usize,
+    pub log_level: String,
+    /// Where the YAML defaults came from, if anywhere.
+    pub config_file: Option<PathBuf>,
+}
+
+impl ServeConfig {
+    /// Resolves flags and environment (already merged by clap) over the YAML file over defaults.
+    pub fn resolve(args: &ServeArgs) -> anyhow::Result<Self> {
+        let (file, config_file) = read_file(args.config.as_deref())?;
+        let pick = |flag: Option<&String>, file: Option<&String>, default: &str| {
+            flag.or(file)
+                .cloned()
+                .unwrap_or_else(|| default.to_string())
+        };
+        let config = Self {
+            host: pick(args.host.as_ref(), file.host.as_ref(), "0.0.0.0"),
+            port: args.port.or(file.port).unwrap_or(8000),
+            model_path: args
+                .model_path
+                .clone()
+                .or(file.model_path)
+                .unwrap_or_else(|| PathBuf::from("models/sample")),
+            tokenizer_path: args.tokenizer_path.clone().or(file.tokenizer_path),
+            device: args.device.or(file.device).unwrap_or_default(),
+            max_batch_size: args.max_batch_size.or(file.max_batch_size).unwrap_or(16),
+            max_new_tokens: args.max_new_tokens.or(file.max_new_tokens).unwrap_or(1024),
+            context_window: args.context_window.or(file.context_window),
+            queue_capacity: args.queue_capacity.or(file.queue_capacity).unwrap_or(256),
+            backpressure: args.backpressure.or(file.backpressure).unwrap_or(false),
+            max_body_bytes: args
+                .max_body_bytes
+                .or(file.max_body_bytes)
+                .unwrap_or(4 << 20),
+            log_level: pick(args.log_level.as_ref(), file.log_level.as_ref(), "info"),
+            config_file,
+        };
+        config.check()?;
+        Ok(config)
+    }
+
+    fn check(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.max_batch_size >= 1,
+            "max_batch_size must be at least 1"
+        );
+        anyhow::ensure!(
+            self.max_new_tokens >= 1,
+            "max_new_tokens must be at least 1"
+        );
+        anyhow::ensure!(
+            self.queue_capacity >= 1,
+            "queue_capacity must be at least 1"
+        );
+        anyhow::ensure!(
+            self.max_body_bytes >= 1024,
+            "max_body_bytes must be at least 1024"
+        );
+        if let Some(window) = self.context_window {
+            anyhow::ensure!(window >= 2, "context_window must be at least 2");
+        }
+        Ok(())
+    }
+
+    /// The settings as YAML, in the file's own `serve:` shape.
+    pub fn to_yaml(&self) -> String {
+        let section = serde_json::json!({ "serve": self });
+        serde_norway::to_string(&section).expect("settings serialise")
+    }
+}
+
+fn read_file(explicit: Option<&Path>) -> anyhow::Result<(ServeFileSection, Option<PathBuf>)> {
+    let path = match explicit {
+        Some(p) => p.to_path_buf(),
+        None => {
+            let default = PathBuf::from("hrm.yaml");
+            if !default.exists() {
+                return Ok((ServeFileSection::default(), None));
+            }
+            default
+        }
+    };
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| anyhow::anyhow!("cannot read the config file {}: {e}", path.display()))?;
+    let file: ConfigFile = serde_norway::from_str(&text)
+        .map_err(|e| anyhow::anyhow!("invalid config file {}: {e}", path.display()))?;
+    Ok((file.serve.unwrap_or_default(), Some(path)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn yaml(dir: &Path, text: &str) -> PathBuf {
+        let path = dir.join("hrm.yaml");
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn defaults_apply_without_flags_or_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let args = ServeArgs {
+            config: Some(yaml(dir.path(), "other: {}\n")),
+            ..ServeArgs::default()
+        };
+        let c = ServeConfig::resolve(&args).unwrap();
+        assert_eq!(
+            (c.host.as_str(), c.port, c.max_batch_size, c.max_new_tokens),
+            ("0.0.0.0", 8000, 16, 1024)
+        );
+        assert_eq!(c.model_path, PathBuf::from("models/sample"));
+        assert!(!c.backpressure);
+    }
+
+    #[test]
+    fn flags_beat_the_file_and_the_file_beats_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = yaml(
+            dir.path(),
+            "serve:\n  port: 9001\n  max_batch_size: 4\n  log_level: debug\n",
+        );
+        let args = ServeArgs {
+            config: Some(path),
+            port: Some(9100),
+            ..ServeArgs::default()
+        };
+        let c = ServeConfig::resolve(&args).unwrap();
+        assert_eq!(c.port, 9100, "flag over file");
+        assert_eq!(c.max_batch_size, 4, "file over default");
+        assert_eq!(c.log_level, "debug");
+        assert_eq!(c.max_new_tokens, 1024, "default");
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let args = ServeArgs {
+            config: Some(yaml(dir.path(), "serve:\n  prot: 1\n")),
+            ..ServeArgs::default()
+        };
+        let err = ServeConfig::resolve(&args).unwrap_err().to_string();
+        assert!(err.contains("prot"), "{err}");
+        let args = ServeArgs {
+            config: Some(yaml(dir.path(), "serve:\n  max_batch_size: 0\n")),
+            ..ServeArgs::default()
+        };
+        assert!(
+            ServeConfig::resolve(&args)
+                .unwrap_err()
+                .to_string()
+                .contains("max_batch_size")
+        );
+    }
+}

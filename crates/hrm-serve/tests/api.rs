@@ -1,0 +1,243 @@
+//! The service end to end over real HTTP on 127.0.0.1, with the tiny fixture model: the v1
+//! contract, errors, continuous batching and backpressure.
+
+mod common;
+
+use common::{Server, config, reference_engine};
+use hrm_model::GenerateParams;
+use serde_json::{Value, json};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_and_readiness() {
+    let server = Server::start(config("hrm-text")).await;
+    let r = server
+        .client
+        .get(format!("{}/healthz", server.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.status().as_u16(), r.json::<Value>().await.unwrap()),
+        (200, json!({"status": "ok"}))
+    );
+    let r = server
+        .client
+        .get(format!("{}/readyz", server.base))
+        .send()
+        .await
+        .unwrap();
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["status"], "ready");
+    assert_eq!(body["device"], "cpu");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_returns_completions_in_order_with_usage() {
+    let server = Server::start(config("hrm-text-prefix")).await;
+    let prompts = [
+        "It was a dark and stormy night",
+        "Call me",
+        "The quick brown fox jumps",
+    ];
+    let (status, body) = server
+        .post(
+            "/generate",
+            json!({"prompts": prompts, "max_tokens": 10, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let engine = reference_engine("hrm-text-prefix");
+    let params = GenerateParams {
+        max_tokens: 10,
+        temperature: 0.0,
+        ..GenerateParams::default()
+    };
+    let prompts: Vec<String> = prompts.iter().map(|s| s.to_string()).collect();
+    let expected = engine.generate(&prompts, &params, 1).unwrap();
+    let completions: Vec<String> = serde_json::from_value(body["completions"].clone()).unwrap();
+    assert_eq!(
+        completions,
+        expected.iter().map(|g| g.text.clone()).collect::<Vec<_>>()
+    );
+    let prompt_tokens: usize = expected.iter().map(|g| g.prompt_tokens).sum();
+    let completion_tokens: usize = expected.iter().map(|g| g.completion_tokens).sum();
+    assert_eq!(
+        body["usage"],
+        json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_tokens_is_capped_at_the_server_maximum() {
+    let server = Server::start(config("llama-tied")).await;
+    let (status, body) = server
+        .post(
+            "/generate",
+            json!({"prompts": ["Call me"], "max_tokens": 5000, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200);
+    assert!(body["usage"]["completion_tokens"].as_u64().unwrap() <= 24);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loglikelihood_matches_the_engine() {
+    let server = Server::start(config("hrm-text-prefix")).await;
+    let (status, body) = server
+        .post("/loglikelihood", json!({"prompts": ["It was a dark and", "Call"], "continuations": [" stormy night", " me"]}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let engine = reference_engine("hrm-text-prefix");
+    let pairs = vec![
+        ("It was a dark and".to_string(), " stormy night".to_string()),
+        ("Call".to_string(), " me".to_string()),
+    ];
+    let expected = engine.loglikelihood(&pairs, 8).unwrap();
+    let ll: Vec<f64> = serde_json::from_value(body["ll"].clone()).unwrap();
+    assert_eq!(ll.len(), 2);
+    for (got, want) in ll.iter().zip(&expected) {
+        assert!(
+            (got - want.logprob).abs() < 1e-4,
+            "{got} vs {}",
+            want.logprob
+        );
+    }
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_one_error_shape_and_changes_nothing() {
+    let server = Server::start(config("hrm-text")).await;
+    let cases = [
+        ("/generate", json!({"prompts": []}), 400, Some("prompts")),
+        (
+            "/generate",
+            json!({"prompts": ["a"], "temperature": 3}),
+            400,
+            Some("temperature"),
+        ),
+        (
+            "/generate",
+            json!({"prompts": ["a"], "top_p": 0}),
+            400,
+            Some("top_p"),
+        ),
+        (
+            "/generate",
+            json!({"prompts": ["a"], "max_tokens": -2}),
+            400,
+            Some("max_tokens"),
+        ),
+        ("/generate", json!({"prompts": "a"}), 422, None),
+        ("/generate", json!({"prompt": ["a"]}), 422, None),
+        (
+            "/loglikelihood",
+            json!({"prompts": ["a", "b"], "continuations": ["c"]}),
+            400,
+            Some("continuations"),
+        ),
+    ];
+    for (path, body, status, param) in cases {
+        let (got, err) = server.post(path, body.clone()).await;
+        assert_eq!(got, status, "{path} {body}: {err}");
+        let e = &err["error"];
+        assert!(
+            e["message"].as_str().is_some_and(|m| !m.is_empty()),
+            "{err}"
+        );
+        assert!(e["type"].is_string() && e["code"].is_string(), "{err}");
+        assert_eq!(e["param"].as_str(), param, "{err}");
+    }
+    // Too large a body: 413 in the same shape.
+    let big = "x".repeat(70 * 1024);
+    let (got, err) = server.post("/generate", json!({"prompts": [big]})).await;
+    assert_eq!(got, 413, "{err}");
+    assert_eq!(err["error"]["code"], "body_too_large");
+    // Not JSON at all.
+    let r = server
+        .client
+        .post(format!("{}/generate", server.base))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 422);
+    // The server still serves.
+    let (ok, _) = server
+        .post("/generate", json!({"prompts": ["a"], "max_tokens": 2}))
+        .await;
+    assert_eq!(ok, 200);
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_are_batched_without_changing_results() {
+    let server = Server::start(config("hrm-text")).await;
+    let engine = reference_engine("hrm-text");
+    let prompts: Vec<String> = (0..10).map(|i| format!("Call me {i}")).collect();
+    let params = GenerateParams {
+        max_tokens: 12,
+        temperature: 0.0,
+        ..GenerateParams::default()
+    };
+    let requests = prompts.iter().map(|p| {
+        server.post(
+            "/generate",
+            json!({"prompts": [p], "max_tokens": 12, "temperature": 0}),
+        )
+    });
+    let responses = futures::future::join_all(requests).await;
+    for (prompt, (status, body)) in prompts.iter().zip(responses) {
+        assert_eq!(status, 200);
+        let want = engine
+            .generate(std::slice::from_ref(prompt), &params, 1)
+            .unwrap()
+            .remove(0)
+            .text;
+        assert_eq!(body["completions"][0], want, "{prompt}");
+    }
+    let metrics = server
+        .client
+        .get(format!("{}/metrics", server.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("hrm_batch_size_bucket"),
+        "batch sizes are recorded"
+    );
+    assert!(metrics.contains("hrm_time_to_first_token_seconds_bucket"));
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_answers_429_when_backpressure_is_on() {
+    let mut cfg = config("hrm-text");
+    cfg.backpressure = true;
+    cfg.queue_capacity = 1;
+    cfg.max_batch_size = 1;
+    let server = Server::start(cfg).await;
+    let many: Vec<String> = (0..40).map(|i| format!("prompt {i}")).collect();
+    let requests =
+        (0..12).map(|_| server.post("/generate", json!({"prompts": many, "max_tokens": 24})));
+    let responses = futures::future::join_all(requests).await;
+    let limited: Vec<&Value> = responses
+        .iter()
+        .filter(|(s, _)| *s == 429)
+        .map(|(_, b)| b)
+        .collect();
+    assert!(!limited.is_empty(), "no request was turned away");
+    assert!(
+        responses.iter().any(|(s, _)| *s == 200),
+        "no request was served"
+    );
+    assert_eq!(limited[0]["error"]["code"], "queue_full");
+    server.stop().await;
+}

@@ -1,0 +1,135 @@
+//! A real server on 127.0.0.1 for the integration tests, with the tiny fixture models.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use hrm_model::{DeviceRequest, Engine};
+use hrm_serve::ServeConfig;
+use serde_json::Value;
+use tokio::sync::oneshot;
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures")
+        .join(name)
+}
+
+pub fn config(model: &str) -> ServeConfig {
+    ServeConfig {
+        host: "127.0.0.1".into(),
+        port: 0,
+        model_path: fixture(model),
+        tokenizer_path: None,
+        device: DeviceRequest::Cpu,
+        max_batch_size: 4,
+        max_new_tokens: 24,
+        context_window: None,
+        queue_capacity: 64,
+        backpressure: false,
+        max_body_bytes: 64 * 1024,
+        log_level: "info".into(),
+        config_file: None,
+    }
+}
+
+pub struct Server {
+    pub base: String,
+    stop: Option<oneshot::Sender<()>>,
+    done: tokio::task::JoinHandle<anyhow::Result<()>>,
+    pub client: reqwest::Client,
+}
+
+impl Server {
+    pub async fn start(config: ServeConfig) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let (stop, stopped) = oneshot::channel::<()>();
+        let done = tokio::spawn(hrm_serve::run(config, listener, async {
+            let _ = stopped.await;
+        }));
+        let server = Self {
+            base,
+            stop: Some(stop),
+            done,
+            client: reqwest::Client::new(),
+        };
+        server.wait_ready().await;
+        server
+    }
+
+    async fn wait_ready(&self) {
+        for _ in 0..500 {
+            let r = self
+                .client
+                .get(format!("{}/readyz", self.base))
+                .send()
+                .await;
+            if let Ok(r) = r
+                && r.status() == 200
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the server never became ready");
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json().await.unwrap())
+    }
+
+    pub async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        self.done.await.unwrap().unwrap();
+    }
+}
+
+pub fn reference_engine(model: &str) -> Engine {
+    let loaded = hrm_model::load_model(
+        &fixture(model),
+        None,
+        &candle_core::Device::Cpu,
+        candle_core::DType::F32,
+    )
+    .unwrap();
+    Engine::new(loaded, None).unwrap()
+}
+
+impl Server {
+    /// The value of a counter or a histogram's `_count` in `/metrics`, 0 when absent. Each test
+    /// binary is its own process, so its metrics are its own.
+    pub async fn metric(&self, name: &str) -> f64 {
+        let text = self
+            .client
+            .get(format!("{}/metrics", self.base))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
+    /// Polls `/metrics` until `name` reaches `at_least`.
+    pub async fn wait_for_metric(&self, name: &str, at_least: f64) {
+        for _ in 0..1000 {
+            if self.metric(name).await >= at_least {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("{name} never reached {at_least}");
+    }
+}
