@@ -1,0 +1,99 @@
+//! `hrm serve` settings precedence (flags, then environment, then YAML, then defaults) and
+//! `--dry-run`, through the real binary.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn hrm(args: &[&str], envs: &[(&str, &str)]) -> std::process::Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_hrm"));
+    cmd.args(args);
+    for var in [
+        "HRM_MAX_BATCH_SIZE",
+        "HRM_MODEL_PATH",
+        "HRM_CONFIG",
+        "HRM_DEVICE",
+        "HRM_MAX_NEW_TOKENS",
+    ] {
+        cmd.env_remove(var);
+    }
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap()
+}
+
+fn effective(args: &[&str], envs: &[(&str, &str)]) -> serde_json::Value {
+    let out = hrm(&[&["serve", "--print-config"], args].concat(), envs);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let yaml: serde_json::Value = serde_norway::from_slice(&out.stdout).unwrap();
+    yaml["serve"].clone()
+}
+
+#[test]
+fn flags_then_environment_then_yaml_then_defaults() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("hrm.yaml");
+    std::fs::write(
+        &file,
+        "serve:\n  max_batch_size: 4\n  max_new_tokens: 300\n  port: 9001\n",
+    )
+    .unwrap();
+    let file = file.to_str().unwrap();
+
+    let c = effective(&["--config", file], &[]);
+    assert_eq!(
+        (c["max_batch_size"].as_u64(), c["port"].as_u64()),
+        (Some(4), Some(9001)),
+        "YAML over defaults"
+    );
+    assert_eq!(c["queue_capacity"], 256, "default");
+
+    let c = effective(&["--config", file], &[("HRM_MAX_BATCH_SIZE", "7")]);
+    assert_eq!(c["max_batch_size"], 7, "environment over YAML");
+    assert_eq!(c["max_new_tokens"], 300);
+
+    let c = effective(
+        &["--config", file, "--max-batch-size", "9"],
+        &[("HRM_MAX_BATCH_SIZE", "7")],
+    );
+    assert_eq!(c["max_batch_size"], 9, "flag over environment");
+
+    let c = effective(&[], &[("HRM_CONFIG", file)]);
+    assert_eq!(c["port"], 9001, "HRM_CONFIG names the file");
+}
+
+#[test]
+fn dry_run_loads_and_reports_or_fails_plainly() {
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hrm-text");
+    let out = hrm(
+        &[
+            "serve",
+            "--dry-run",
+            "--device",
+            "cpu",
+            "--model-path",
+            fixture.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["family"], "hrm_text");
+    assert_eq!(report["device"], "cpu");
+
+    let out = hrm(
+        &["serve", "--dry-run", "--model-path", "/no/such/model"],
+        &[],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("/no/such/model"), "{err}");
+}
