@@ -9,6 +9,7 @@
 
 pub mod config;
 pub mod error;
+pub mod openai;
 pub mod routes;
 pub mod scheduler;
 pub mod validation;

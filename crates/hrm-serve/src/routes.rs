@@ -6,6 +6,7 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{HeaderName, StatusCode};
 use axum::middleware::{self, Next};
+use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -20,7 +21,7 @@ use tracing::Level;
 use crate::error::ApiError;
 use crate::scheduler::GenEvent;
 use crate::validation::{GenerateRequest, LoglikelihoodRequest};
-use crate::{AppState, Ready};
+use crate::{AppState, Ready, openai};
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
@@ -30,7 +31,13 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
         .route("/generate", post(generate))
+        .route("/generate_stream", post(generate_stream))
         .route("/loglikelihood", post(loglikelihood))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(openai::models))
+        .route("/tokenize", post(openai::tokenize))
+        .route("/detokenize", post(openai::detokenize))
+        .route("/tokenizer_info", get(openai::tokenizer_info))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(middleware::from_fn(record_request))
@@ -135,20 +142,25 @@ struct GenerateResponse {
     usage: Usage,
 }
 
-/// Runs prompts through the scheduler and waits for every completion, in input order.
-pub async fn generate_all(
-    ready: &Ready,
-    prompts: &[String],
-    params: hrm_model::GenerateParams,
-) -> Result<Vec<Generation>, ApiError> {
-    let ids = prompts
+/// Token ids of text prompts.
+pub fn encode_prompts(ready: &Ready, prompts: &[String]) -> Result<Vec<Vec<u32>>, ApiError> {
+    prompts
         .iter()
         .map(|p| ready.engine.encode_prompt(p))
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| ApiError::internal(format!("tokenising the prompts: {e}")))?;
-    let mut events = ready.scheduler.generate(ids, params).await?;
-    let mut results: Vec<Option<Generation>> = vec![None; prompts.len()];
-    let mut remaining = prompts.len();
+        .map_err(|e| ApiError::internal(format!("tokenising the prompts: {e}")))
+}
+
+/// Runs prompts through the scheduler and waits for every completion, in input order.
+pub async fn generate_all(
+    ready: &Ready,
+    prompts: Vec<Vec<u32>>,
+    params: hrm_model::GenerateParams,
+) -> Result<Vec<Generation>, ApiError> {
+    let count = prompts.len();
+    let mut events = ready.scheduler.generate(prompts, params).await?;
+    let mut results: Vec<Option<Generation>> = vec![None; count];
+    let mut remaining = count;
     while remaining > 0 {
         match events.recv().await {
             Some(GenEvent::Done { prompt, generation }) => {
@@ -170,7 +182,7 @@ async fn generate(
     let Json(request) = body?;
     let (prompts, params) = request.validate(&state.limits)?;
     let ready = ready(&state)?;
-    let generations = generate_all(ready, &prompts, params).await?;
+    let generations = generate_all(ready, encode_prompts(ready, &prompts)?, params).await?;
     let usage = Usage::of(&generations);
     let response = GenerateResponse {
         completions: generations.into_iter().map(|g| g.text).collect(),
@@ -208,4 +220,73 @@ async fn loglikelihood(
         .map(|tokens| tokens.iter().map(|t| f64::from(t.logprob)).sum())
         .collect();
     Ok(Json(json!({ "ll": ll })))
+}
+
+/// `POST /generate_stream`: the `/generate` body; server-sent events `token`
+/// (`{"index", "text"}`, one per newly decoded piece of a prompt's output), then one `done`
+/// (`{"completions", "usage"}`), or an `error` in the usual error shape.
+pub async fn generate_stream(
+    State(state): State<AppState>,
+    body: Result<Json<GenerateRequest>, JsonRejection>,
+) -> Result<Sse<impl futures::Stream<Item = Result<Event, std::convert::Infallible>>>, ApiError> {
+    let Json(request) = body?;
+    let (prompts, params) = request.validate(&state.limits)?;
+    let ready = ready(&state)?;
+    let count = prompts.len();
+    let events = ready
+        .scheduler
+        .generate(encode_prompts(ready, &prompts)?, params)
+        .await?;
+    struct Progress {
+        events: tokio::sync::mpsc::UnboundedReceiver<GenEvent>,
+        results: Vec<Option<Generation>>,
+        remaining: usize,
+        finished: bool,
+    }
+    let start = Progress {
+        events,
+        results: vec![None; count],
+        remaining: count,
+        finished: false,
+    };
+    let stream = futures::stream::unfold(start, |mut p| async move {
+        if p.finished {
+            return None;
+        }
+        loop {
+            let event = match p.events.recv().await {
+                Some(GenEvent::Token { prompt, text }) => Event::default()
+                    .event("token")
+                    .json_data(json!({"index": prompt, "text": text})),
+                Some(GenEvent::Done { prompt, generation }) => {
+                    p.results[prompt] = Some(generation);
+                    p.remaining -= 1;
+                    if p.remaining > 0 {
+                        continue;
+                    }
+                    p.finished = true;
+                    let generations: Vec<Generation> =
+                        p.results.iter_mut().filter_map(Option::take).collect();
+                    let usage = Usage::of(&generations);
+                    let completions: Vec<String> =
+                        generations.into_iter().map(|g| g.text).collect();
+                    Event::default()
+                        .event("done")
+                        .json_data(json!({"completions": completions, "usage": usage}))
+                }
+                Some(GenEvent::Failed(message)) => {
+                    p.finished = true;
+                    let e = ApiError::internal(message);
+                    Event::default().event("error").json_data(
+                        json!({"error": {"message": e.message, "type": e.kind, "param": null, "code": e.code}}),
+                    )
+                }
+                None => return None,
+            };
+            let event = event
+                .unwrap_or_else(|_| Event::default().event("error").data("serialisation failed"));
+            return Some((Ok(event), p));
+        }
+    });
+    Ok(Sse::new(stream).keep_alive(KeepAlive::default()))
 }

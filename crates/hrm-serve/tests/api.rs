@@ -241,3 +241,166 @@ async fn a_full_queue_answers_429_when_backpressure_is_on() {
     assert_eq!(limited[0]["error"]["code"], "queue_full");
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streaming_sends_tokens_then_the_result() {
+    let server = Server::start(config("llama-gqa")).await;
+    let body = json!({"prompts": ["Call me", "It was a dark"], "max_tokens": 8, "temperature": 0});
+    let (_, plain) = server.post("/generate", body.clone()).await;
+    let text = server
+        .client
+        .post(format!("{}/generate_stream", server.base))
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let mut pieces = [String::new(), String::new()];
+    let mut done = None;
+    let mut event = "";
+    for line in text.lines() {
+        if let Some(name) = line.strip_prefix("event: ") {
+            event = name;
+        } else if let Some(data) = line.strip_prefix("data: ") {
+            let data: Value = serde_json::from_str(data).unwrap();
+            match event {
+                "token" => pieces[data["index"].as_u64().unwrap() as usize]
+                    .push_str(data["text"].as_str().unwrap()),
+                "done" => done = Some(data),
+                other => panic!("unexpected event {other}: {data}"),
+            }
+        }
+    }
+    let done = done.expect("a done event");
+    assert_eq!(done["completions"], plain["completions"]);
+    assert_eq!(done["usage"], plain["usage"]);
+    assert_eq!(
+        json!(pieces),
+        plain["completions"],
+        "the streamed pieces add up to the completions"
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_completions_with_echo_and_logprobs() {
+    let server = Server::start(config("hrm-text-prefix")).await;
+    let engine = reference_engine("hrm-text-prefix");
+    let prompt = engine.encode_prompt("It was a dark and stormy").unwrap();
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            json!({"model": "hrm-text-prefix", "prompt": [prompt.clone()], "max_tokens": 1, "logprobs": 2, "echo": true, "temperature": 0}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    let choice = &body["choices"][0];
+    let lp = &choice["logprobs"];
+    let n = prompt.len() + 1;
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), n);
+    assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null());
+    assert_eq!(lp["text_offset"][0], 0);
+    // Scores of the prompt tokens agree with the engine's teacher-forced pass (the prompt is the
+    // prefix-LM block, as lm-eval's context would be).
+    let row = hrm_model::engine::ScoreRow {
+        tokens: prompt.clone(),
+        score_from: 1,
+        block: prompt.len(),
+    };
+    let want = engine.token_logprobs(&[row], 2, 1).unwrap().remove(0);
+    for (k, w) in want.iter().enumerate() {
+        let got = lp["token_logprobs"][k + 1].as_f64().unwrap();
+        assert!(
+            (got - f64::from(w.logprob)).abs() < 1e-4,
+            "token {k}: {got} vs {}",
+            w.logprob
+        );
+        // Two alternatives, unless both decode to the same text (OpenAI's map is keyed by text).
+        let top = lp["top_logprobs"][k + 1].as_object().unwrap().len();
+        assert!((1..=2).contains(&top), "{top} alternatives");
+    }
+    assert!(
+        choice["text"]
+            .as_str()
+            .unwrap()
+            .starts_with(&engine.tokenizer().decode(&prompt).unwrap())
+    );
+    assert_eq!(body["usage"]["completion_tokens"], 1);
+
+    // Text prompts, a list of them, max_tokens 0 with echo.
+    let (status, body) = server
+        .post("/v1/completions", json!({"prompt": ["Call me", "The quick"], "max_tokens": 0, "echo": true, "logprobs": 0}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"].as_array().unwrap().len(), 2);
+    assert_eq!(body["choices"][1]["text"], "The quick");
+    // Errors in the same shape.
+    let (status, body) = server
+        .post("/v1/completions", json!({"model": "gpt-5", "prompt": "hi"}))
+        .await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (404, Some("not_found"))
+    );
+    let (status, body) = server
+        .post("/v1/completions", json!({"prompt": "hi", "logprobs": 99}))
+        .await;
+    assert_eq!(
+        (status, body["error"]["param"].as_str()),
+        (400, Some("logprobs"))
+    );
+    let (status, body) = server
+        .post("/v1/completions", json!({"prompt": [[99999]]}))
+        .await;
+    assert_eq!(
+        (status, body["error"]["param"].as_str()),
+        (400, Some("prompt"))
+    );
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_tokenizer_routes_match_what_lm_eval_expects() {
+    let server = Server::start(config("hrm-text")).await;
+    let info: Value = server
+        .client
+        .get(format!("{}/tokenizer_info", server.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let eos = info["eos_token"].as_str().unwrap().to_string();
+    let (_, tokens) = server
+        .post(
+            "/tokenize",
+            json!({"prompt": "Call me Ishmael", "add_special_tokens": false}),
+        )
+        .await;
+    let ids = tokens["tokens"].as_array().unwrap().clone();
+    assert!(!ids.is_empty());
+    let (_, text) = server.post("/detokenize", json!({"tokens": ids})).await;
+    assert_eq!(text["prompt"], "Call me Ishmael");
+    // lm-eval finds the EOS id by tokenising the EOS text: it must be one token.
+    let (_, eos_ids) = server
+        .post(
+            "/tokenize",
+            json!({"prompt": eos, "add_special_tokens": false}),
+        )
+        .await;
+    assert_eq!(eos_ids["tokens"], json!([info["eos_token_id"]]));
+    let models: Value = server
+        .client
+        .get(format!("{}/v1/models", server.base))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(models["data"][0]["id"], "hrm-text");
+    server.stop().await;
+}

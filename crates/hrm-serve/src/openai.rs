@@ -1,0 +1,393 @@
+//! OpenAI-compatible routes for evaluation tools (lm-evaluation-harness `local-completions`):
+//! `POST /v1/completions`, `GET /v1/models`, and the remote-tokenizer routes `POST /tokenize`,
+//! `POST /detokenize`, `GET /tokenizer_info`.
+//!
+//! Per-token log-probabilities (`logprobs`, `echo`) come from one teacher-forced pass over the
+//! prompt and the generated tokens, the same forward pass that generated them.
+
+use axum::Json;
+use axum::extract::State;
+use axum::extract::rejection::JsonRejection;
+use hrm_model::engine::ScoreRow;
+use hrm_model::{Engine, FinishReason, GenerateParams, TokenLogprob};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::error::ApiError;
+use crate::routes::{Usage, generate_all};
+use crate::{AppState, Ready, validation};
+
+/// The most alternatives `logprobs` may ask for.
+const MAX_LOGPROBS: usize = 20;
+
+/// `prompt` of a completion request: text, texts, token ids, or lists of token ids.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// `stop` may be one string or a list.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CompletionRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub prompt: PromptInput,
+    #[serde(default)]
+    pub max_tokens: Option<i64>,
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    #[serde(default)]
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub stop: Option<StopInput>,
+    #[serde(default)]
+    pub logprobs: Option<i64>,
+    #[serde(default)]
+    pub echo: bool,
+}
+
+fn ready(state: &AppState) -> Result<&Ready, ApiError> {
+    state.ready().ok_or_else(ApiError::not_ready)
+}
+
+/// Token ids of every prompt, each checked against the vocabulary.
+fn prompt_ids(
+    engine: &Engine,
+    prompt: PromptInput,
+    limits: &validation::Limits,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    let encode = |text: &str| {
+        engine
+            .encode_prompt(text)
+            .map_err(|e| ApiError::internal(format!("tokenising the prompt: {e}")))
+    };
+    let ids = match prompt {
+        PromptInput::Text(text) => vec![encode(&text)?],
+        PromptInput::Texts(texts) => texts.iter().map(|t| encode(t)).collect::<Result<_, _>>()?,
+        PromptInput::Ids(ids) => vec![ids],
+        PromptInput::IdLists(lists) => lists,
+    };
+    if ids.is_empty() {
+        return Err(ApiError::invalid(
+            "prompt",
+            "prompt must contain at least one prompt",
+        ));
+    }
+    if ids.len() > limits.max_prompts {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!(
+                "prompt has {} entries; at most {} are allowed",
+                ids.len(),
+                limits.max_prompts
+            ),
+        ));
+    }
+    let vocab = engine.info().vocab_size;
+    for (i, row) in ids.iter().enumerate() {
+        if let Some(bad) = row.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::invalid(
+                "prompt",
+                format!("prompt[{i}] has token id {bad}, outside the vocabulary of {vocab}"),
+            ));
+        }
+    }
+    Ok(ids)
+}
+
+pub async fn completions(
+    State(state): State<AppState>,
+    body: Result<Json<CompletionRequest>, JsonRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Json(request) = body?;
+    let limits = &state.limits;
+    // OpenAI's defaults for this route: 16 tokens, temperature 1.
+    let params = GenerateParams {
+        max_tokens: validation::max_tokens(Some(request.max_tokens.unwrap_or(16)), limits)?,
+        temperature: validation::temperature(Some(request.temperature.unwrap_or(1.0)))?,
+        top_p: validation::top_p(request.top_p)?,
+        seed: request.seed,
+        stop: validation::stop(
+            request.stop.map(|s| match s {
+                StopInput::One(s) => vec![s],
+                StopInput::Many(v) => v,
+            }),
+            limits,
+        )?,
+    };
+    let logprobs = match request.logprobs {
+        None => None,
+        Some(n) if (0..=MAX_LOGPROBS as i64).contains(&n) => Some(n as usize),
+        Some(n) => {
+            return Err(ApiError::invalid(
+                "logprobs",
+                format!("logprobs must be between 0 and {MAX_LOGPROBS}, got {n}"),
+            ));
+        }
+    };
+    let ready = ready(&state)?;
+    let engine = &ready.engine;
+    if let Some(model) = &request.model
+        && model != engine.name()
+    {
+        return Err(ApiError::not_found(format!(
+            "model {model:?} is not served here; this server serves {:?} (GET /v1/models)",
+            engine.name()
+        )));
+    }
+    let prompts = prompt_ids(engine, request.prompt, limits)?;
+    if let Some(i) = prompts.iter().position(Vec::is_empty)
+        && request.echo
+    {
+        return Err(ApiError::invalid(
+            "prompt",
+            format!("prompt[{i}] is empty; echo needs prompt tokens"),
+        ));
+    }
+
+    let generations = if params.max_tokens == 0 {
+        prompts
+            .iter()
+            .map(|p| hrm_model::Generation {
+                text: String::new(),
+                token_ids: Vec::new(),
+                prompt_tokens: p.len(),
+                completion_tokens: 0,
+                finish_reason: FinishReason::Length,
+            })
+            .collect()
+    } else {
+        generate_all(ready, prompts.clone(), params).await?
+    };
+
+    let scores = match logprobs {
+        Some(top_n) => {
+            Some(score_choices(ready, &prompts, &generations, request.echo, top_n).await?)
+        }
+        None => None,
+    };
+    let choices: Vec<Value> = generations
+        .iter()
+        .enumerate()
+        .map(|(i, g)| {
+            let prompt_text = if request.echo {
+                engine.tokenizer().decode(&prompts[i]).unwrap_or_default()
+            } else {
+                String::new()
+            };
+            let logprobs = scores.as_ref().map(|s| {
+                let offset = if request.echo {
+                    0
+                } else {
+                    engine
+                        .tokenizer()
+                        .decode(&prompts[i])
+                        .map(|t| t.len())
+                        .unwrap_or(0)
+                };
+                logprobs_object(engine, &s[i], offset)
+            });
+            json!({
+                "index": i,
+                "text": format!("{prompt_text}{}", g.text),
+                "logprobs": logprobs,
+                "finish_reason": g.finish_reason,
+            })
+        })
+        .collect();
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    Ok(Json(json!({
+        "id": format!("cmpl-{}", uuid::Uuid::new_v4().simple()),
+        "object": "text_completion",
+        "created": created,
+        "model": engine.name(),
+        "choices": choices,
+        "usage": Usage::of(&generations),
+    })))
+}
+
+/// One entry per returned token: `(token, logprob or None for the very first echoed token, top)`.
+type ChoiceScores = Vec<(u32, Option<TokenLogprob>)>;
+
+async fn score_choices(
+    ready: &Ready,
+    prompts: &[Vec<u32>],
+    generations: &[hrm_model::Generation],
+    echo: bool,
+    top_n: usize,
+) -> Result<Vec<ChoiceScores>, ApiError> {
+    let prefix_lm = ready.engine.info().prefix_lm;
+    let mut rows = Vec::new();
+    let mut plans = Vec::new();
+    for (prompt, g) in prompts.iter().zip(generations) {
+        let tokens: Vec<u32> = prompt.iter().chain(&g.token_ids).copied().collect();
+        let score_from = if echo { 1 } else { prompt.len() };
+        let scored = tokens.len() > score_from && score_from >= 1;
+        if scored {
+            rows.push(ScoreRow {
+                block: if prefix_lm { prompt.len() } else { 0 },
+                tokens: tokens.clone(),
+                score_from,
+            });
+        }
+        plans.push((tokens, score_from, scored));
+    }
+    let mut scored = ready.scheduler.score(rows, top_n).await?.into_iter();
+    Ok(plans
+        .into_iter()
+        .map(|(tokens, score_from, has_scores)| {
+            let mut out: ChoiceScores = Vec::new();
+            if echo && !tokens.is_empty() {
+                out.push((tokens[0], None));
+            }
+            if has_scores {
+                let row = scored.next().unwrap_or_default();
+                out.extend(
+                    tokens[score_from..]
+                        .iter()
+                        .copied()
+                        .zip(row.into_iter().map(Some)),
+                );
+            }
+            out
+        })
+        .collect())
+}
+
+fn logprobs_object(engine: &Engine, scores: &ChoiceScores, start_offset: usize) -> Value {
+    let text_of = |id: u32| {
+        engine
+            .tokenizer()
+            .decode_verbatim(&[id])
+            .unwrap_or_default()
+    };
+    let mut tokens = Vec::new();
+    let mut token_logprobs = Vec::new();
+    let mut top_logprobs = Vec::new();
+    let mut text_offset = Vec::new();
+    let mut offset = start_offset;
+    for (id, score) in scores {
+        let text = text_of(*id);
+        text_offset.push(offset);
+        offset += text.len();
+        tokens.push(text);
+        match score {
+            None => {
+                token_logprobs.push(Value::Null);
+                top_logprobs.push(Value::Null);
+            }
+            Some(s) => {
+                token_logprobs.push(json!(s.logprob));
+                let top: serde_json::Map<String, Value> = s
+                    .top
+                    .iter()
+                    .map(|(t, lp)| (text_of(*t), json!(lp)))
+                    .collect();
+                top_logprobs.push(Value::Object(top));
+            }
+        }
+    }
+    json!({
+        "tokens": tokens,
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
+        "text_offset": text_offset,
+    })
+}
+
+pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let ready = ready(&state)?;
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": ready.engine.name(),
+            "object": "model",
+            "owned_by": "hrm",
+            "family": ready.engine.info().family.as_str(),
+            "max_model_len": ready.engine.context_window(),
+        }],
+    })))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct TokenizeRequest {
+    pub prompt: String,
+    #[serde(default = "default_true")]
+    pub add_special_tokens: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+#[derive(Debug, Deserialize)]
+pub struct DetokenizeRequest {
+    pub tokens: Vec<u32>,
+}
+
+pub async fn tokenize(
+    State(state): State<AppState>,
+    body: Result<Json<TokenizeRequest>, JsonRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Json(request) = body?;
+    let engine = &ready(&state)?.engine;
+    let tokens = engine
+        .tokenizer()
+        .encode(&request.prompt, request.add_special_tokens)
+        .map_err(|e| ApiError::internal(format!("tokenising: {e}")))?;
+    Ok(Json(json!({
+        "tokens": tokens,
+        "count": tokens.len(),
+        "max_model_len": engine.context_window(),
+    })))
+}
+
+pub async fn detokenize(
+    State(state): State<AppState>,
+    body: Result<Json<DetokenizeRequest>, JsonRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let Json(request) = body?;
+    let engine = &ready(&state)?.engine;
+    let vocab = engine.info().vocab_size;
+    if let Some(bad) = request.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::invalid(
+            "tokens",
+            format!("token id {bad} is outside the vocabulary of {vocab}"),
+        ));
+    }
+    let prompt = engine
+        .tokenizer()
+        .decode(&request.tokens)
+        .map_err(|e| ApiError::internal(format!("detokenising: {e}")))?;
+    Ok(Json(json!({ "prompt": prompt })))
+}
+
+pub async fn tokenizer_info(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
+    let engine = &ready(&state)?.engine;
+    let tok = engine.tokenizer();
+    let bos = tok.bos_id().and_then(|id| tok.id_to_token(id));
+    Ok(Json(json!({
+        "eos_token": tok.eos_token(),
+        "eos_token_id": tok.eos_ids().first(),
+        "bos_token": bos,
+        "pad_token": tok.eos_token(),
+        "vocab_size": tok.vocab_size(),
+        "model_max_length": engine.context_window(),
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    })))
+}
