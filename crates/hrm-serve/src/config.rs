@@ -53,6 +53,21 @@ pub struct ServeArgs {
     /// Log level: error, warn, info, debug, trace (default info, or a logging config file).
     #[arg(long)]
     pub log_level: Option<String>,
+    /// Require `Authorization: Bearer KEY` on every route but the health checks.
+    #[arg(long, env = "HRM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Read the bearer key from this file (first line) instead.
+    #[arg(long, env = "HRM_API_KEY_FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// Also require the key on /metrics (open by default, for scrapers).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub metrics_auth: Option<bool>,
+    /// Answer cross-origin requests from --cors-origins (off by default).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub enable_cors: Option<bool>,
+    /// Allowed origins, comma-separated; `*` allows any (for development only).
+    #[arg(long, env = "HRM_CORS_ORIGINS", value_delimiter = ',')]
+    pub cors_origins: Option<Vec<String>>,
     /// Print the effective configuration (secrets redacted) and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -77,6 +92,10 @@ pub struct ServeFileSection {
     pub backpressure: Option<bool>,
     pub max_body_bytes: Option<usize>,
     pub log_level: Option<String>,
+    pub api_key_file: Option<PathBuf>,
+    pub metrics_auth: Option<bool>,
+    pub enable_cors: Option<bool>,
+    pub cors_origins: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -100,8 +119,21 @@ pub struct ServeConfig {
     pub backpressure: bool,
     pub max_body_bytes: usize,
     pub log_level: String,
+    /// The bearer key; never printed or logged.
+    #[serde(serialize_with = "redact")]
+    pub api_key: Option<String>,
+    pub metrics_auth: bool,
+    pub enable_cors: bool,
+    pub cors_origins: Vec<String>,
     /// Where the YAML defaults came from, if anywhere.
     pub config_file: Option<PathBuf>,
+}
+
+fn redact<S: serde::Serializer>(key: &Option<String>, s: S) -> Result<S::Ok, S::Error> {
+    match key {
+        Some(_) => s.serialize_str("<redacted>"),
+        None => s.serialize_none(),
+    }
 }
 
 impl ServeConfig {
@@ -133,6 +165,17 @@ impl ServeConfig {
                 .or(file.max_body_bytes)
                 .unwrap_or(4 << 20),
             log_level: pick(args.log_level.as_ref(), file.log_level.as_ref(), "info"),
+            api_key: read_api_key(
+                args.api_key.clone(),
+                args.api_key_file.clone().or(file.api_key_file),
+            )?,
+            metrics_auth: args.metrics_auth.or(file.metrics_auth).unwrap_or(false),
+            enable_cors: args.enable_cors.or(file.enable_cors).unwrap_or(false),
+            cors_origins: args
+                .cors_origins
+                .clone()
+                .or(file.cors_origins)
+                .unwrap_or_default(),
             config_file,
         };
         config.check()?;
@@ -167,6 +210,24 @@ impl ServeConfig {
         let section = serde_json::json!({ "serve": self });
         serde_norway::to_string(&section).expect("settings serialise")
     }
+}
+
+/// The key itself, or the first line of the key file. A key is never read from the YAML file,
+/// which tends to be committed; only the path of a key file is.
+fn read_api_key(key: Option<String>, file: Option<PathBuf>) -> anyhow::Result<Option<String>> {
+    let key = match (key, file) {
+        (Some(key), _) => key,
+        (None, Some(path)) => std::fs::read_to_string(&path)
+            .map_err(|e| anyhow::anyhow!("cannot read the API key file {}: {e}", path.display()))?
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
+        (None, None) => return Ok(None),
+    };
+    anyhow::ensure!(!key.is_empty(), "the API key is empty");
+    Ok(Some(key))
 }
 
 fn read_file(explicit: Option<&Path>) -> anyhow::Result<(ServeFileSection, Option<PathBuf>)> {
@@ -250,6 +311,35 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("max_batch_size")
+        );
+    }
+
+    #[test]
+    fn the_key_is_redacted_and_never_read_from_yaml() {
+        let dir = tempfile::tempdir().unwrap();
+        let key_file = dir.path().join("key");
+        std::fs::write(&key_file, "from-file\n").unwrap();
+        let args = ServeArgs {
+            config: Some(yaml(
+                dir.path(),
+                &format!("serve:\n  api_key_file: {}\n", key_file.display()),
+            )),
+            ..ServeArgs::default()
+        };
+        let c = ServeConfig::resolve(&args).unwrap();
+        assert_eq!(c.api_key.as_deref(), Some("from-file"));
+        let printed = c.to_yaml();
+        assert!(
+            printed.contains("<redacted>") && !printed.contains("from-file"),
+            "{printed}"
+        );
+        let args = ServeArgs {
+            config: Some(yaml(dir.path(), "serve:\n  api_key: inline\n")),
+            ..ServeArgs::default()
+        };
+        assert!(
+            ServeConfig::resolve(&args).is_err(),
+            "a key in the YAML file is refused"
         );
     }
 }

@@ -31,6 +31,10 @@ pub struct AppState {
     ready: Arc<OnceLock<Ready>>,
     pub limits: Limits,
     metrics: PrometheusHandle,
+    /// SHA-256 of the bearer key when auth is on: requests are checked by comparing digests in
+    /// constant time, so neither the key nor its length leaks through timing.
+    key_digest: Option<[u8; 32]>,
+    metrics_auth: bool,
 }
 
 /// The loaded model and the scheduler in front of it.
@@ -43,12 +47,31 @@ pub struct Ready {
 }
 
 impl AppState {
-    pub fn new(limits: Limits) -> Self {
+    pub fn new(config: &ServeConfig) -> Self {
         Self {
             ready: Arc::new(OnceLock::new()),
-            limits,
+            limits: limits(config),
             metrics: metrics_handle(),
+            key_digest: config.api_key.as_deref().map(digest),
+            metrics_auth: config.metrics_auth,
         }
+    }
+
+    /// Whether `path` may be used with the request's `Authorization` header value.
+    pub fn authorised(&self, path: &str, authorization: Option<&str>) -> bool {
+        use subtle::ConstantTimeEq;
+        let Some(expected) = &self.key_digest else {
+            return true;
+        };
+        let open =
+            matches!(path, "/healthz" | "/readyz") || (path == "/metrics" && !self.metrics_auth);
+        if open {
+            return true;
+        }
+        let Some(token) = authorization.and_then(|v| v.strip_prefix("Bearer ")) else {
+            return false;
+        };
+        digest(token.trim()).ct_eq(expected).into()
     }
 
     pub fn ready(&self) -> Option<&Ready> {
@@ -63,6 +86,11 @@ impl AppState {
     pub fn metrics(&self) -> &PrometheusHandle {
         &self.metrics
     }
+}
+
+fn digest(key: &str) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(key.as_bytes()).into()
 }
 
 /// One Prometheus recorder per process (the `metrics` facade has one global recorder).
@@ -120,7 +148,7 @@ pub fn attach_engine(state: &AppState, engine: Engine, device: String, config: &
     });
 }
 
-pub fn limits(config: &ServeConfig) -> Limits {
+fn limits(config: &ServeConfig) -> Limits {
     Limits {
         max_new_tokens: config.max_new_tokens,
         ..Limits::default()
@@ -144,8 +172,8 @@ pub async fn run(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let state = AppState::new(limits(&config));
-    let app: Router = routes::router(state.clone(), config.max_body_bytes);
+    let state = AppState::new(&config);
+    let app: Router = routes::router(state.clone(), &config);
     tracing::info!(addr = %listener.local_addr()?, model = %config.model_path.display(), "listening; loading the model");
 
     let started = std::time::Instant::now();

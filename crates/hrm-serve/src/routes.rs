@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
-use axum::http::{HeaderName, StatusCode};
+use axum::http::{HeaderName, HeaderValue, Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -14,6 +14,7 @@ use hrm_model::Generation;
 use hrm_model::engine::ScoreRow;
 use serde::Serialize;
 use serde_json::json;
+use tower_http::cors::{AllowOrigin, CorsLayer};
 use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
@@ -21,12 +22,12 @@ use tracing::Level;
 use crate::error::ApiError;
 use crate::scheduler::GenEvent;
 use crate::validation::{GenerateRequest, LoglikelihoodRequest};
-use crate::{AppState, Ready, openai};
+use crate::{AppState, Ready, ServeConfig, openai};
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
-pub fn router(state: AppState, max_body_bytes: usize) -> Router {
-    Router::new()
+pub fn router(state: AppState, config: &ServeConfig) -> Router {
+    let router = Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
@@ -39,7 +40,8 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         .route("/detokenize", post(openai::detokenize))
         .route("/tokenizer_info", get(openai::tokenizer_info))
         .fallback(not_found)
-        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(DefaultBodyLimit::max(config.max_body_bytes))
+        .layer(middleware::from_fn_with_state(state.clone(), require_key))
         .layer(middleware::from_fn(record_request))
         .layer(PropagateRequestIdLayer::new(REQUEST_ID))
         .layer(TraceLayer::new_for_http().make_span_with(|req: &Request| {
@@ -53,7 +55,53 @@ pub fn router(state: AppState, max_body_bytes: usize) -> Router {
         })
         .on_response(DefaultOnResponse::new().level(Level::INFO)))
         .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
-        .with_state(state)
+        .with_state(state);
+    match cors(config) {
+        Some(layer) => router.layer(layer),
+        None => router,
+    }
+}
+
+/// CORS is off unless `--enable-cors`; then only the listed origins are allowed.
+fn cors(config: &ServeConfig) -> Option<CorsLayer> {
+    if !config.enable_cors {
+        return None;
+    }
+    let layer = CorsLayer::new()
+        .allow_methods([Method::GET, Method::POST])
+        .allow_headers([header::CONTENT_TYPE, header::AUTHORIZATION]);
+    if config.cors_origins.iter().any(|o| o == "*") {
+        tracing::warn!("CORS allows any origin (`*`): for development only");
+        return Some(layer.allow_origin(AllowOrigin::any()));
+    }
+    let origins: Vec<HeaderValue> = config
+        .cors_origins
+        .iter()
+        .filter_map(|o| match HeaderValue::from_str(o) {
+            Ok(v) => Some(v),
+            Err(_) => {
+                tracing::warn!(origin = %o, "ignoring an invalid CORS origin");
+                None
+            }
+        })
+        .collect();
+    if origins.is_empty() {
+        tracing::warn!("--enable-cors without --cors-origins: no origin is allowed");
+    }
+    Some(layer.allow_origin(AllowOrigin::list(origins)))
+}
+
+/// 401 unless the route is open or the bearer key matches.
+async fn require_key(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let authorization = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    if state.authorised(req.uri().path(), authorization) {
+        next.run(req).await
+    } else {
+        ApiError::unauthorized().into_response()
+    }
 }
 
 /// Counts requests by route and status and times them.

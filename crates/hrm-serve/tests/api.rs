@@ -404,3 +404,96 @@ async fn remote_tokenizer_routes_match_what_lm_eval_expects() {
     assert_eq!(models["data"][0]["id"], "hrm-text");
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bearer_auth_guards_everything_but_health() {
+    let mut cfg = config("hrm-text");
+    cfg.api_key = Some("s3cret-key".into());
+    let server = Server::start(cfg).await;
+    let url = |p: &str| format!("{}{p}", server.base);
+    let c = &server.client;
+    assert_eq!(c.get(url("/healthz")).send().await.unwrap().status(), 200);
+    assert_eq!(
+        c.get(url("/metrics")).send().await.unwrap().status(),
+        200,
+        "metrics are open by default"
+    );
+    let body = json!({"prompts": ["Call me"], "max_tokens": 2});
+    let r = c.post(url("/generate")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let err: Value = r.json().await.unwrap();
+    assert_eq!(err["error"]["type"], "authentication_error");
+    for wrong in [
+        "Bearer s3cret-kez",
+        "Bearer s3cret-key-longer",
+        "s3cret-key",
+        "Basic s3cret-key",
+    ] {
+        let r = c
+            .post(url("/generate"))
+            .header("authorization", wrong)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 401, "{wrong}");
+    }
+    let r = c
+        .post(url("/generate"))
+        .bearer_auth("s3cret-key")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(c.get(url("/v1/models")).send().await.unwrap().status(), 401);
+    server.stop().await;
+
+    let mut cfg = config("hrm-text");
+    cfg.api_key = Some("s3cret-key".into());
+    cfg.metrics_auth = true;
+    let server = Server::start(cfg).await;
+    let r = server
+        .client
+        .get(format!("{}/metrics", server.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401, "metrics behind the key when configured");
+    server.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_is_off_unless_enabled_and_then_only_for_listed_origins() {
+    let preflight = |server: &Server, origin: &str| {
+        server
+            .client
+            .request(
+                reqwest::Method::OPTIONS,
+                format!("{}/generate", server.base),
+            )
+            .header("origin", origin)
+            .header("access-control-request-method", "POST")
+            .send()
+    };
+    let server = Server::start(config("hrm-text")).await;
+    let r = preflight(&server, "http://allowed.example").await.unwrap();
+    assert!(
+        r.headers().get("access-control-allow-origin").is_none(),
+        "CORS must be off by default"
+    );
+    server.stop().await;
+
+    let mut cfg = config("hrm-text");
+    cfg.enable_cors = true;
+    cfg.cors_origins = vec!["http://allowed.example".into()];
+    let server = Server::start(cfg).await;
+    let r = preflight(&server, "http://allowed.example").await.unwrap();
+    assert_eq!(
+        r.headers()["access-control-allow-origin"],
+        "http://allowed.example"
+    );
+    let r = preflight(&server, "http://evil.example").await.unwrap();
+    assert!(r.headers().get("access-control-allow-origin").is_none());
+    server.stop().await;
+}

@@ -29,6 +29,10 @@ pub fn config(model: &str) -> ServeConfig {
         backpressure: false,
         max_body_bytes: 64 * 1024,
         log_level: "info".into(),
+        api_key: None,
+        metrics_auth: false,
+        enable_cors: false,
+        cors_origins: Vec::new(),
         config_file: None,
     }
 }
