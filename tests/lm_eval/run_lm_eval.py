@@ -131,8 +131,14 @@ def main():
         pairs, theirs = [], []
         for line in open(samples_file):
             sample = json.loads(line)
-            for arguments, response in zip(sample["arguments"], sample["resps"]):
-                context, continuation = arguments["arg_0"], arguments["arg_1"]
+            arguments = sample["arguments"]
+            if isinstance(arguments, dict):  # lm-eval 0.4.13: {"gen_args_0": {"arg_0", "arg_1"}, ...}
+                arguments = [arguments[f"gen_args_{i}"] for i in range(len(arguments))]
+            for args_i, response in zip(arguments, sample["resps"]):
+                if isinstance(args_i, dict):
+                    context, continuation = args_i["arg_0"], args_i["arg_1"]
+                else:
+                    context, continuation = args_i
                 pairs.append((context, continuation))
                 theirs.append(float(response[0][0]))
         ours = []

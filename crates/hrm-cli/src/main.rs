@@ -29,6 +29,8 @@ struct Cli {
 enum Command {
     /// Run the HTTP inference service (v1 contract; see docs/api.md).
     Serve(Box<hrm_serve::ServeArgs>),
+    /// Serve the manual-test page on its own, pointed at a running `hrm serve`.
+    Ui(serve::UiArgs),
     /// Generate completions for prompts with a local checkpoint.
     Generate(generate::GenerateArgs),
     /// Score continuations given contexts (sum of token log-probabilities).
@@ -97,6 +99,7 @@ fn main() -> ExitCode {
         command => {
             init_logging("info");
             match command {
+                Command::Ui(args) => serve::run_ui(args),
                 Command::Generate(args) => generate::run_generate(args),
                 Command::Score(args) => generate::run_score(args),
                 Command::Train(args) => train::run_train(*args),

@@ -1,5 +1,7 @@
-//! `hrm serve`: resolves the settings, then prints them, dry-runs a load, or serves.
+//! `hrm serve` (resolves the settings, then prints them, dry-runs a load, or serves) and
+//! `hrm ui` (the manual-test page on its own).
 
+use clap::Args;
 use hrm_serve::{ServeArgs, ServeConfig};
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -31,4 +33,32 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     runtime.block_on(hrm_serve::serve(config))
+}
+
+#[derive(Args)]
+pub struct UiArgs {
+    /// The `hrm serve` the page calls (it needs `--enable-cors --cors-origins` for this page's origin).
+    #[arg(long)]
+    server_url: String,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8001)]
+    port: u16,
+}
+
+pub fn run_ui(args: UiArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr).await?;
+        tracing::info!(%addr, server = %args.server_url, "serving the manual-test page at /ui");
+        axum::serve(listener, hrm_serve::ui::standalone(&args.server_url))
+            .with_graceful_shutdown(async {
+                let _ = tokio::signal::ctrl_c().await;
+            })
+            .await?;
+        Ok(())
+    })
 }

@@ -68,6 +68,9 @@ pub struct ServeArgs {
     /// Allowed origins, comma-separated; `*` allows any (for development only).
     #[arg(long, env = "HRM_CORS_ORIGINS", value_delimiter = ',')]
     pub cors_origins: Option<Vec<String>>,
+    /// Also serve the manual-test page at /ui.
+    #[arg(long)]
+    pub ui: bool,
     /// Print the effective configuration (secrets redacted) and exit.
     #[arg(long)]
     pub print_config: bool,
@@ -125,6 +128,7 @@ pub struct ServeConfig {
     pub metrics_auth: bool,
     pub enable_cors: bool,
     pub cors_origins: Vec<String>,
+    pub ui: bool,
     /// Where the YAML defaults came from, if anywhere.
     pub config_file: Option<PathBuf>,
 }
@@ -176,6 +180,7 @@ impl ServeConfig {
                 .clone()
                 .or(file.cors_origins)
                 .unwrap_or_default(),
+            ui: args.ui,
             config_file,
         };
         config.check()?;

@@ -12,6 +12,7 @@ pub mod error;
 pub mod openai;
 pub mod routes;
 pub mod scheduler;
+pub mod ui;
 pub mod validation;
 
 use std::sync::{Arc, OnceLock};

@@ -39,6 +39,7 @@ pub fn router(state: AppState, config: &ServeConfig) -> Router {
         .route("/tokenize", post(openai::tokenize))
         .route("/detokenize", post(openai::detokenize))
         .route("/tokenizer_info", get(openai::tokenizer_info))
+        .merge(if config.ui { crate::ui::standalone::<AppState>("") } else { Router::new() })
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
         .layer(middleware::from_fn_with_state(state.clone(), require_key))

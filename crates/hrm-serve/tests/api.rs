@@ -497,3 +497,48 @@ async fn cors_is_off_unless_enabled_and_then_only_for_listed_origins() {
     assert!(r.headers().get("access-control-allow-origin").is_none());
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_manual_test_page_is_served_only_with_ui() {
+    let server = Server::start(config("hrm-text")).await;
+    assert_eq!(
+        server
+            .client
+            .get(format!("{}/ui", server.base))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
+    server.stop().await;
+    let mut cfg = config("hrm-text");
+    cfg.ui = true;
+    cfg.api_key = Some("k".into());
+    let server = Server::start(cfg).await;
+    let r = server
+        .client
+        .get(format!("{}/ui", server.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        r.status(),
+        200,
+        "the page is open even with a key; its calls carry the key"
+    );
+    let html = r.text().await.unwrap();
+    for id in [
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "generate",
+        "score",
+        "output",
+        "usage",
+    ] {
+        assert!(html.contains(&format!("id=\"{id}\"")), "missing #{id}");
+    }
+    server.stop().await;
+}

@@ -33,6 +33,7 @@ pub fn config(model: &str) -> ServeConfig {
         metrics_auth: false,
         enable_cors: false,
         cors_origins: Vec::new(),
+        ui: false,
         config_file: None,
     }
 }
