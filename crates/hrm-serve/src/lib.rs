@@ -64,8 +64,9 @@ impl AppState {
         let Some(expected) = &self.key_digest else {
             return true;
         };
-        let open =
-            matches!(path, "/healthz" | "/readyz") || (path == "/metrics" && !self.metrics_auth);
+        // The page itself holds no data; the calls it makes carry the key.
+        let open = matches!(path, "/healthz" | "/readyz" | "/" | "/ui")
+            || (path == "/metrics" && !self.metrics_auth);
         if open {
             return true;
         }
