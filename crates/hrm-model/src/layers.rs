@@ -37,31 +37,21 @@ impl Linear {
     }
 }
 
-/// candle's quantised CPU matmul computes one dot product per (row, column) pair, so its cost
-/// grows with the number of input rows as if each row were a separate decode step. From
-/// `DEQUANTIZE_FROM_ROWS` rows on (prefill), the matrix is dequantised for the call and multiplied
-/// with the f32 GEMM instead; for formats whose dot product has no SIMD kernel in candle (Q4_1,
-/// Q5_0, Q5_1) that already pays from `SCALAR_FORMAT_DEQUANTIZE_FROM_ROWS` rows (batched decode).
-/// A single row keeps the quantised kernel, which reads 4-8x fewer weight bytes.
-const DEQUANTIZE_FROM_ROWS: usize = 32;
-const SCALAR_FORMAT_DEQUANTIZE_FROM_ROWS: usize = 4;
-
-fn dequantize_for(q: &candle_core::quantized::QTensor, rows: usize) -> bool {
-    use candle_core::quantized::GgmlDType;
-    let threshold = match q.dtype() {
-        GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1 => SCALAR_FORMAT_DEQUANTIZE_FROM_ROWS,
-        _ => DEQUANTIZE_FROM_ROWS,
-    };
-    rows >= threshold
+/// candle's quantised CPU matmul computes one dot product per (row, column) pair, so a prefill or
+/// scoring pass would cost as much per token as a decode step. Passes over more than one position
+/// therefore dequantise each matrix for the call and use the f32 GEMM; decode steps (one position
+/// per sequence) keep the quantised kernel, which reads 4-8x fewer weight bytes. The choice
+/// depends only on the pass's shape, never on what else is batched, so a sequence's scores and
+/// tokens do not depend on its batch.
+fn dequantize_for(x: &Tensor) -> Result<bool> {
+    Ok(x.rank() == 3 && x.dim(1)? > 1)
 }
 
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Self::Dense(l) => l.forward(x),
-            Self::Quantized(QMatMul::QTensor(q))
-                if dequantize_for(q, x.elem_count() / x.dim(D::Minus1)?) =>
-            {
+            Self::Quantized(QMatMul::QTensor(q)) if dequantize_for(x)? => {
                 let w = q.dequantize(x.device())?;
                 candle_nn::Linear::new(w, None)
                     .forward(&x.to_dtype(DType::F32)?)?
