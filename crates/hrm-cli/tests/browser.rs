@@ -34,5 +34,8 @@ fn the_manual_test_page_works_in_chromium() {
         "browser test failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    assert!(stdout.contains("# pass 3"), "expected 3 passing browser tests:\n{stdout}");
+    assert!(
+        stdout.contains("# pass 3"),
+        "expected 3 passing browser tests:\n{stdout}"
+    );
 }

@@ -542,3 +542,44 @@ async fn the_manual_test_page_is_served_only_with_ui() {
     }
     server.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn before_the_model_is_loaded_readyz_says_loading() {
+    use tower::ServiceExt;
+    let cfg = config("hrm-text");
+    let app = hrm_serve::routes::router(hrm_serve::AppState::new(&cfg), &cfg);
+    let get = |path: &str| {
+        axum::http::Request::get(path)
+            .body(axum::body::Body::empty())
+            .unwrap()
+    };
+    let r = app.clone().oneshot(get("/readyz")).await.unwrap();
+    assert_eq!(r.status(), 503);
+    let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+    assert_eq!(
+        serde_json::from_slice::<Value>(&body).unwrap(),
+        json!({"status": "loading"})
+    );
+    assert_eq!(
+        app.clone().oneshot(get("/healthz")).await.unwrap().status(),
+        200
+    );
+    let post = axum::http::Request::post("/generate")
+        .header("content-type", "application/json")
+        .body(axum::body::Body::from(r#"{"prompts":["hi"]}"#))
+        .unwrap();
+    let r = app.oneshot(post).await.unwrap();
+    assert_eq!(r.status(), 503);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_that_cannot_load_ends_the_run_with_the_reason() {
+    let mut cfg = config("hrm-text");
+    cfg.model_path = "/no/such/checkpoint".into();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let err = hrm_serve::run(cfg, listener, std::future::pending())
+        .await
+        .unwrap_err();
+    let message = format!("{err:#}");
+    assert!(message.contains("/no/such/checkpoint"), "{message}");
+}
