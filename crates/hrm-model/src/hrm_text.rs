@@ -26,11 +26,12 @@ use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
 use crate::cache::ForwardBatch;
+use crate::config::{self, EosTokenId, ModelConfig, RopeParameters};
 use crate::layers::{
     Attention, AttnContext, AttnInput, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm,
     RopeLayout, Rotary, SwiGlu,
 };
-use crate::loader::{ModelConfig, ModelFamily};
+use crate::loader::ModelFamily;
 use crate::moe::MoeMlp;
 use crate::{CausalLm, Logits, ModelInfo, ModelOutput};
 
@@ -99,30 +100,6 @@ pub struct HrmTextConfig {
     pub router_aux_loss_coef: Option<f64>,
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct RopeParameters {
-    pub rope_theta: f64,
-    #[serde(default = "default_rope_type")]
-    pub rope_type: String,
-}
-
-/// `eos_token_id` may be one id or a list.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(untagged)]
-pub enum EosTokenId {
-    One(u32),
-    Many(Vec<u32>),
-}
-
-impl EosTokenId {
-    pub fn ids(&self) -> Vec<u32> {
-        match self {
-            Self::One(id) => vec![*id],
-            Self::Many(ids) => ids.clone(),
-        }
-    }
-}
-
 fn default_hidden_act() -> String {
     "silu".into()
 }
@@ -143,9 +120,6 @@ fn default_l_cycles() -> usize {
 }
 fn default_true() -> bool {
     true
-}
-fn default_rope_type() -> String {
-    "default".into()
 }
 
 impl ModelConfig for HrmTextConfig {
@@ -179,14 +153,7 @@ impl ModelConfig for HrmTextConfig {
         if self.layers_per_stack() == 0 {
             return Err("num_layers_per_stack must be at least 1".into());
         }
-        if let Some(rope) = &self.rope_parameters
-            && rope.rope_type != "default"
-        {
-            return Err(format!(
-                "rope_type {:?} is not supported (only default)",
-                rope.rope_type
-            ));
-        }
+        config::check_rope(&self.rope_parameters)?;
         if self.is_moe() {
             let experts = self.num_experts.unwrap_or(0);
             let top_k = self.num_experts_per_tok.unwrap_or(0);
@@ -211,16 +178,11 @@ impl HrmTextConfig {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.head_dim
-            .unwrap_or(self.hidden_size / self.num_attention_heads)
+        config::head_dim(self.head_dim, self.hidden_size, self.num_attention_heads)
     }
 
     pub fn rope_theta(&self) -> f64 {
-        self.rope_parameters
-            .as_ref()
-            .map(|r| r.rope_theta)
-            .or(self.rope_theta)
-            .unwrap_or(10_000.0)
+        config::rope_theta(&self.rope_parameters, self.rope_theta)
     }
 
     pub fn embedding_scale(&self) -> f64 {
@@ -241,10 +203,7 @@ impl HrmTextConfig {
     }
 
     pub fn eos_token_ids(&self) -> Vec<u32> {
-        self.eos_token_id
-            .as_ref()
-            .map(EosTokenId::ids)
-            .unwrap_or_default()
+        config::eos_ids(&self.eos_token_id)
     }
 }
 

@@ -12,6 +12,7 @@
 //! prefill and decode with a cache, and (with tracked variables) for training.
 
 pub mod cache;
+pub mod config;
 pub mod device;
 pub mod engine;
 pub mod error;
@@ -24,10 +25,11 @@ pub mod tokenizer;
 pub mod train;
 
 pub use cache::{ForwardBatch, SeqCache};
+pub use config::ModelConfig;
 pub use device::{DeviceRequest, select_device};
 pub use engine::{Engine, FinishReason, GenerateParams, Generation, TokenLogprob};
 pub use error::{Error, Result};
-pub use loader::{LoadedModel, ModelConfig, ModelFamily, load_model};
+pub use loader::{LoadedModel, ModelFamily, load_model};
 pub use tokenizer::TextTokenizer;
 
 use candle_core::{DType, Device, Tensor};

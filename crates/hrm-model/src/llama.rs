@@ -10,12 +10,12 @@ use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
 use crate::cache::ForwardBatch;
-use crate::hrm_text::{EosTokenId, RopeParameters};
+use crate::config::{self, EosTokenId, ModelConfig, RopeParameters};
 use crate::layers::{
     Attention, AttnContext, AttnInput, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm,
     RopeLayout, Rotary, SwiGlu,
 };
-use crate::loader::{ModelConfig, ModelFamily};
+use crate::loader::ModelFamily;
 use crate::{CausalLm, Logits, ModelInfo, ModelOutput};
 
 /// `config.json` of a `llama` checkpoint.
@@ -78,14 +78,7 @@ impl ModelConfig for LlamaConfig {
         if self.attention_bias || self.mlp_bias {
             return Err("attention_bias and mlp_bias are not supported".into());
         }
-        if let Some(rope) = &self.rope_parameters
-            && rope.rope_type != "default"
-        {
-            return Err(format!(
-                "rope_type {:?} is not supported (only default)",
-                rope.rope_type
-            ));
-        }
+        config::check_rope(&self.rope_parameters)?;
         if self.num_attention_heads == 0 || self.kv_heads() == 0 {
             return Err("num_attention_heads and num_key_value_heads must be at least 1".into());
         }
@@ -106,23 +99,15 @@ impl LlamaConfig {
     }
 
     pub fn head_dim(&self) -> usize {
-        self.head_dim
-            .unwrap_or(self.hidden_size / self.num_attention_heads)
+        config::head_dim(self.head_dim, self.hidden_size, self.num_attention_heads)
     }
 
     pub fn rope_theta(&self) -> f64 {
-        self.rope_parameters
-            .as_ref()
-            .map(|r| r.rope_theta)
-            .or(self.rope_theta)
-            .unwrap_or(10_000.0)
+        config::rope_theta(&self.rope_parameters, self.rope_theta)
     }
 
     pub fn eos_token_ids(&self) -> Vec<u32> {
-        self.eos_token_id
-            .as_ref()
-            .map(EosTokenId::ids)
-            .unwrap_or_default()
+        config::eos_ids(&self.eos_token_id)
     }
 }
 

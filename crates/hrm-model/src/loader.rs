@@ -12,30 +12,11 @@ use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
+use crate::config::ModelConfig;
 use crate::hrm_text::{HrmText, HrmTextConfig};
 use crate::llama::{Llama, LlamaConfig};
 use crate::tokenizer::TextTokenizer;
 use crate::{CausalLm, Error, Result};
-
-/// A model config that can check itself.
-pub trait ModelConfig: serde::de::DeserializeOwned {
-    /// Every rule the config must meet before a model is built from it.
-    fn validate(&self) -> std::result::Result<(), String>;
-
-    /// Reads and validates a `config.json`.
-    fn from_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let config: Self = serde_json::from_str(&text).map_err(|e| Error::Config {
-            path: path.into(),
-            message: e.to_string(),
-        })?;
-        config.validate().map_err(|message| Error::Config {
-            path: path.into(),
-            message,
-        })?;
-        Ok(config)
-    }
-}
 
 /// The architectures this crate runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -25,9 +25,9 @@ use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
 use serde::{Deserialize, Serialize};
 
+use crate::config::ModelConfig;
 use crate::hrm_text::{HrmText, HrmTextConfig};
 use crate::llama::{Llama, LlamaConfig};
-use crate::loader::ModelConfig;
 use crate::{CausalLm, Error, ForwardBatch, Logits, Result};
 
 /// A trainable architecture and its config.

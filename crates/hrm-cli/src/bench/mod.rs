@@ -3,6 +3,7 @@
 pub mod model;
 pub mod train;
 
+use std::path::Path;
 use std::process::Command;
 
 use anyhow::Context;
@@ -30,6 +31,45 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Train(args) => train::run(args),
         BenchCommand::TrainRun(args) => train::run_one(args),
     }
+}
+
+/// Where the reference side of a benchmark runs.
+pub struct SidesConfig<'a> {
+    /// The script under `benches/`.
+    pub script: &'a str,
+    pub threads: usize,
+    /// The Python with torch and transformers; without it only our side runs.
+    pub python: Option<&'a Path>,
+}
+
+/// Runs the same measurement in two fresh processes, `hrm bench <subcommand> <shape>` and
+/// `python benches/<script> <script_args> <shape> --threads N`, and reads both results.
+pub fn side_by_side<T: DeserializeOwned>(
+    subcommand: &str,
+    script_args: &[&str],
+    shape: &[String],
+    sides: &SidesConfig<'_>,
+) -> anyhow::Result<(T, Option<T>)> {
+    let mut ours = Command::new(std::env::current_exe()?);
+    ours.args(["bench", subcommand])
+        .args(shape)
+        .env("RAYON_NUM_THREADS", sides.threads.to_string());
+    let ours = measure(ours).context("our side")?;
+    let theirs = match sides.python {
+        Some(python) => {
+            let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../benches")
+                .join(sides.script);
+            let mut cmd = Command::new(python);
+            cmd.arg(script)
+                .args(script_args)
+                .args(shape)
+                .args(["--threads", &sides.threads.to_string()]);
+            Some(measure(cmd).context("the transformers side")?)
+        }
+        None => None,
+    };
+    Ok((ours, theirs))
 }
 
 /// Runs one measurement process and reads the JSON line it prints last.

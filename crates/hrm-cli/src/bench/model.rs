@@ -7,8 +7,7 @@
 //! per step, with a KV cache, for the same number of steps (EOS does not stop the run).
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
@@ -17,7 +16,7 @@ use clap::Args;
 use hrm_model::{ForwardBatch, Logits, SeqCache};
 use serde::{Deserialize, Serialize};
 
-use super::measure;
+use super::{SidesConfig, side_by_side};
 
 #[derive(Args)]
 pub struct ModelBenchArgs {
@@ -62,8 +61,6 @@ pub struct Measurement {
 }
 
 pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
-    let exe = std::env::current_exe()?;
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/transformers_model.py");
     let mut table = String::new();
     writeln!(
         table,
@@ -87,25 +84,17 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
                 "--decode-tokens".into(),
                 args.decode_tokens.to_string(),
             ];
-            let mut ours = Command::new(&exe);
-            ours.args(["bench", "model-run"])
-                .args(&shape)
-                .env("RAYON_NUM_THREADS", args.threads.to_string());
-            let ours: Measurement = measure(ours).with_context(|| format!("hrm on {name}"))?;
-            let theirs = match &args.python {
-                Some(python) => {
-                    let mut cmd = Command::new(python);
-                    cmd.arg(&script)
-                        .arg("run")
-                        .args(&shape)
-                        .args(["--threads", &args.threads.to_string()]);
-                    Some(
-                        measure::<Measurement>(cmd)
-                            .with_context(|| format!("transformers on {name}"))?,
-                    )
-                }
-                None => None,
-            };
+            let (ours, theirs): (Measurement, _) = side_by_side(
+                "model-run",
+                &["run"],
+                &shape,
+                &SidesConfig {
+                    script: "transformers_model.py",
+                    threads: args.threads,
+                    python: args.python.as_deref(),
+                },
+            )
+            .with_context(|| format!("measuring {name}"))?;
             let cell = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.1}"));
             let ratio =
                 |a: f64, b: Option<f64>| b.map_or("–".to_string(), |b| format!("{:.2}×", a / b));

@@ -7,8 +7,7 @@
 //! with the same active size (the MoE config with one expert per token), and says so.
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
@@ -17,8 +16,8 @@ use clap::Args;
 use hrm_model::train::{AdamWConfig, LrSchedule, ModelSpec, ScheduleKind, Trainer};
 use serde::{Deserialize, Serialize};
 
-use super::measure;
 use super::model::bench_ids;
+use super::{SidesConfig, side_by_side};
 
 #[derive(Args)]
 pub struct TrainBenchArgs {
@@ -65,8 +64,6 @@ pub struct TrainMeasurement {
 }
 
 pub fn run(args: TrainBenchArgs) -> anyhow::Result<()> {
-    let exe = std::env::current_exe()?;
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/transformers_train.py");
     let mut table = String::from(
         "| config | hrm tok/s | PyTorch tok/s | ratio | note |\n|---|---|---|---|---|\n",
     );
@@ -88,24 +85,17 @@ pub fn run(args: TrainBenchArgs) -> anyhow::Result<()> {
             "--steps".into(),
             args.steps.to_string(),
         ];
-        let mut ours = Command::new(&exe);
-        ours.args(["bench", "train-run"])
-            .args(&shape)
-            .env("RAYON_NUM_THREADS", args.threads.to_string());
-        let ours: TrainMeasurement = measure(ours).with_context(|| format!("hrm on {name}"))?;
-        let theirs = match &args.python {
-            Some(python) => {
-                let mut cmd = Command::new(python);
-                cmd.arg(&script)
-                    .args(&shape)
-                    .args(["--threads", &args.threads.to_string()]);
-                Some(
-                    measure::<TrainMeasurement>(cmd)
-                        .with_context(|| format!("PyTorch on {name}"))?,
-                )
-            }
-            None => None,
-        };
+        let (ours, theirs): (TrainMeasurement, _) = side_by_side(
+            "train-run",
+            &[],
+            &shape,
+            &SidesConfig {
+                script: "transformers_train.py",
+                threads: args.threads,
+                python: args.python.as_deref(),
+            },
+        )
+        .with_context(|| format!("measuring {name}"))?;
         writeln!(
             table,
             "| {name} | {:.0} | {} | {} | {} |",
