@@ -200,15 +200,7 @@ async fn concurrent_requests_are_batched_without_changing_results() {
             .text;
         assert_eq!(body["completions"][0], want, "{prompt}");
     }
-    let metrics = server
-        .client
-        .get(format!("{}/metrics", server.base))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = server.metrics_text().await;
     assert!(
         metrics.contains("hrm_batch_size_bucket"),
         "batch sizes are recorded"

@@ -111,16 +111,19 @@ pub fn reference_engine(model: &str) -> Engine {
 impl Server {
     /// The value of a counter or a histogram's `_count` in `/metrics`, 0 when absent. Each test
     /// binary is its own process, so its metrics are its own.
-    pub async fn metric(&self, name: &str) -> f64 {
-        let text = self
+    /// The `/metrics` page.
+    pub async fn metrics_text(&self) -> String {
+        let r = self
             .client
             .get(format!("{}/metrics", self.base))
             .send()
             .await
-            .unwrap()
-            .text()
-            .await
             .unwrap();
+        r.text().await.unwrap()
+    }
+
+    pub async fn metric(&self, name: &str) -> f64 {
+        let text = self.metrics_text().await;
         text.lines()
             .filter(|l| l.starts_with(name) && !l.starts_with('#'))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
