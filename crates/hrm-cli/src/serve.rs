@@ -22,6 +22,9 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                 "format": engine.format(),
                 "device": device,
                 "parameters": engine.info().num_parameters,
+                // What one decode step must read: with the measured memory bandwidth, the bound
+                // on batch-1 decode speed.
+                "weight_bytes_per_token": engine.info().weight_bytes,
                 "context_window": engine.context_window(),
                 "vocab_size": engine.tokenizer().vocab_size(),
                 "load_seconds": started.elapsed().as_secs_f64(),

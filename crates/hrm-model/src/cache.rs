@@ -35,15 +35,6 @@ impl SeqCache {
         self.len == 0
     }
 
-    /// Bytes held by the cached tensors.
-    pub fn bytes(&self) -> usize {
-        self.slots
-            .iter()
-            .flatten()
-            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
-            .sum()
-    }
-
     fn append(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let Some(entry) = self.slots.get_mut(slot) else {
             candle_core::bail!("KV-cache slot {slot} out of range ({})", self.slots.len())
@@ -145,6 +136,16 @@ impl<'c> ForwardBatch<'c> {
             seq_len,
             kv_len,
         })
+    }
+
+    /// A full pass with no caches (scoring, training), on the model's device and dtype.
+    pub fn full_pass(
+        tokens: &[Vec<u32>],
+        blocks: &[usize],
+        logits: Logits,
+        info: &crate::ModelInfo,
+    ) -> Result<Self> {
+        Self::new(tokens, blocks, Vec::new(), logits, &info.device, info.dtype)
     }
 
     pub fn batch_size(&self) -> usize {

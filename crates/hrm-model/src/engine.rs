@@ -98,11 +98,6 @@ impl Sequence {
         self.truncated
     }
 
-    /// Bytes held by this sequence's KV cache.
-    pub fn cache_bytes(&self) -> usize {
-        self.cache.bytes()
-    }
-
     pub fn into_generation(self) -> Generation {
         Generation {
             completion_tokens: self.generated.len(),
@@ -186,10 +181,6 @@ impl Engine {
 
     pub fn info(&self) -> &ModelInfo {
         self.model.info()
-    }
-
-    pub fn model(&self) -> &dyn CausalLm {
-        self.model.as_ref()
     }
 
     pub fn tokenizer(&self) -> &TextTokenizer {
@@ -492,14 +483,7 @@ impl Engine {
         let info = self.info();
         let tokens: Vec<Vec<u32>> = rows.iter().map(|r| r.tokens.clone()).collect();
         let blocks: Vec<usize> = rows.iter().map(|r| r.block).collect();
-        let mut batch = ForwardBatch::new(
-            &tokens,
-            &blocks,
-            Vec::new(),
-            Logits::All,
-            &info.device,
-            info.dtype,
-        )?;
+        let mut batch = ForwardBatch::full_pass(&tokens, &blocks, Logits::All, info)?;
         let logits = self.model.forward(&mut batch)?.logits;
         let seq_len = batch.seq_len();
         let mut out = Vec::with_capacity(rows.len());

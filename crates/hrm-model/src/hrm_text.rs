@@ -21,7 +21,7 @@
 //! During training only the last `L_bp_cycles` low-level iterations of each high-level cycle
 //! carry gradients; the earlier ones are detached, as transformers runs them under `no_grad`.
 
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
@@ -367,11 +367,6 @@ impl HrmText {
 
     pub(crate) fn set_num_parameters(&mut self, n: usize) {
         self.info.num_parameters = n;
-    }
-
-    /// The device and dtype the weights live on.
-    pub fn placement(&self) -> (Device, DType) {
-        (self.info.device.clone(), self.info.dtype)
     }
 }
 

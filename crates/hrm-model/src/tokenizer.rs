@@ -184,10 +184,6 @@ impl TextTokenizer {
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
     }
-
-    pub fn inner(&self) -> &Tokenizer {
-        &self.inner
-    }
 }
 
 fn eos_from_tokenizer_config(tokenizer_path: &Path, tokenizer: &Tokenizer) -> Option<u32> {

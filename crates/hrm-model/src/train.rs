@@ -177,14 +177,7 @@ pub fn lm_loss(model: &dyn CausalLm, rows: &[Vec<u32>], aux_coef: f64) -> Result
     let labels: Vec<u32> = rows.iter().flat_map(|r| r[1..].iter().copied()).collect();
     let info = model.info();
     let blocks = vec![0; rows.len()];
-    let mut batch = ForwardBatch::new(
-        &inputs,
-        &blocks,
-        Vec::new(),
-        Logits::All,
-        &info.device,
-        info.dtype,
-    )?;
+    let mut batch = ForwardBatch::full_pass(&inputs, &blocks, Logits::All, info)?;
     let out = model.forward(&mut batch)?;
     let logits = out.logits.flatten_to(1)?.to_dtype(DType::F32)?;
     let labels = Tensor::from_vec(labels, logits.dim(0)?, &info.device)?;

@@ -55,12 +55,12 @@ impl ApiError {
         }
     }
 
-    /// 413: a body over the size limit.
-    pub fn too_large(limit: usize) -> Self {
+    /// 413: a body over the size limit (`--max-body-bytes`).
+    pub fn too_large() -> Self {
         Self {
             status: StatusCode::PAYLOAD_TOO_LARGE,
             kind: "invalid_request_error",
-            message: format!("the request body is larger than the limit of {limit} bytes"),
+            message: "the request body is larger than the server's limit (--max-body-bytes)".into(),
             param: None,
             code: "body_too_large",
         }
@@ -140,13 +140,9 @@ impl From<axum::extract::rejection::JsonRejection> for ApiError {
     fn from(rejection: axum::extract::rejection::JsonRejection) -> Self {
         use axum::extract::rejection::JsonRejection as R;
         match &rejection {
-            R::BytesRejection(b) if b.status() == StatusCode::PAYLOAD_TOO_LARGE => Self {
-                status: StatusCode::PAYLOAD_TOO_LARGE,
-                kind: "invalid_request_error",
-                message: "the request body is larger than the server's limit".into(),
-                param: None,
-                code: "body_too_large",
-            },
+            R::BytesRejection(b) if b.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                Self::too_large()
+            }
             R::MissingJsonContentType(_) => Self::unprocessable(
                 "expected a JSON body with the header Content-Type: application/json",
             ),

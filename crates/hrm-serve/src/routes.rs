@@ -207,7 +207,7 @@ pub async fn generate_all(
     params: hrm_model::GenerateParams,
 ) -> Result<Vec<Generation>, ApiError> {
     let count = prompts.len();
-    let mut events = ready.scheduler.generate(prompts, params).await?;
+    let mut events = ready.scheduler.generate(prompts, params, false).await?;
     let mut results: Vec<Option<Generation>> = vec![None; count];
     let mut remaining = count;
     while remaining > 0 {
@@ -284,7 +284,7 @@ pub async fn generate_stream(
     let count = prompts.len();
     let events = ready
         .scheduler
-        .generate(encode_prompts(ready, &prompts)?, params)
+        .generate(encode_prompts(ready, &prompts)?, params, true)
         .await?;
     struct Progress {
         events: tokio::sync::mpsc::UnboundedReceiver<GenEvent>,

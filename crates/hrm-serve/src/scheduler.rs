@@ -18,8 +18,8 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::error::ApiError;
 
-/// What a generation request hears back, in order: tokens as they come, then one `Done` per
-/// prompt (or one `Failed`).
+/// What a generation request hears back, in order: tokens as they come (only when it streams),
+/// then one `Done` per prompt (or one `Failed`).
 #[derive(Debug)]
 pub enum GenEvent {
     /// New text of prompt `prompt` (already cut at stop strings).
@@ -41,6 +41,7 @@ enum Work {
         prompts: Vec<Vec<u32>>,
         params: GenerateParams,
         events: mpsc::UnboundedSender<GenEvent>,
+        stream: bool,
     },
     Score {
         rows: Vec<ScoreRow>,
@@ -124,17 +125,20 @@ impl Scheduler {
         sent
     }
 
-    /// Queues prompts for generation; events arrive on the returned channel.
+    /// Queues prompts for generation; events arrive on the returned channel, with `Token`
+    /// events only when `stream` is set.
     pub async fn generate(
         &self,
         prompts: Vec<Vec<u32>>,
         params: GenerateParams,
+        stream: bool,
     ) -> Result<mpsc::UnboundedReceiver<GenEvent>, ApiError> {
         let (events, rx) = mpsc::unbounded_channel();
         self.submit(Work::Generate {
             prompts,
             params,
             events,
+            stream,
         })
         .await?;
         Ok(rx)
@@ -162,12 +166,14 @@ struct Running {
     /// Bytes of the output already streamed.
     sent: usize,
     stop: Vec<String>,
+    stream: bool,
     started: Instant,
     last_token: Option<Instant>,
 }
 
 struct Waiting {
     job: u64,
+    stream: bool,
     prompt: usize,
     ids: Vec<u32>,
     params: GenerateParams,
@@ -245,6 +251,7 @@ impl Loop {
                 prompts,
                 params,
                 events,
+                stream,
             } => {
                 let job = self.next_job;
                 self.next_job += 1;
@@ -253,6 +260,7 @@ impl Loop {
                     params.seed = params.seed.map(|s| s.wrapping_add(prompt as u64));
                     self.waiting.push_back(Waiting {
                         job,
+                        stream,
                         prompt,
                         ids,
                         params,
@@ -304,6 +312,7 @@ impl Loop {
                 seq,
                 sent: 0,
                 stop,
+                stream: w.stream,
                 started: Instant::now(),
                 last_token: None,
             });
@@ -339,7 +348,11 @@ impl Loop {
                 r.last_token = Some(now);
             }
             let text = r.seq.text();
-            let ready = streamable_len(text, &r.stop, r.seq.is_finished());
+            let ready = if r.stream {
+                streamable_len(text, &r.stop, r.seq.is_finished())
+            } else {
+                0
+            };
             if ready > r.sent {
                 let _ = events.send(GenEvent::Token {
                     prompt: r.prompt,
