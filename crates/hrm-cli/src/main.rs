@@ -5,6 +5,7 @@
 
 mod bench;
 mod generate;
+mod hub;
 mod serve;
 mod train;
 
@@ -40,6 +41,9 @@ enum Command {
     /// Tokenizer tools.
     #[command(subcommand)]
     Tokenizer(train::TokenizerCommand),
+    /// The volunteer training network's aggregation server (see docs/hub-api.md).
+    #[command(subcommand)]
+    Hub(hub::HubCommand),
     /// Benchmarks (not tests): model throughput next to transformers.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -104,6 +108,7 @@ fn main() -> ExitCode {
                 Command::Score(args) => generate::run_score(args),
                 Command::Train(args) => train::run_train(*args),
                 Command::Tokenizer(cmd) => train::run_tokenizer(cmd),
+                Command::Hub(cmd) => hub::run(cmd),
                 Command::Bench(cmd) => bench::run(cmd),
                 Command::Serve(_) => unreachable!("handled above"),
             }

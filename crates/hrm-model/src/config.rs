@@ -15,12 +15,17 @@ pub trait ModelConfig: serde::de::DeserializeOwned {
     /// Reads and validates a `config.json`.
     fn from_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let config: Self = serde_json::from_str(&text).map_err(|e| Error::Config {
-            path: path.into(),
+        Self::from_json(&text, path)
+    }
+
+    /// Parses and validates config JSON; `origin` names it in errors.
+    fn from_json(text: &str, origin: &Path) -> Result<Self> {
+        let config: Self = serde_json::from_str(text).map_err(|e| Error::Config {
+            path: origin.into(),
             message: e.to_string(),
         })?;
         config.validate().map_err(|message| Error::Config {
-            path: path.into(),
+            path: origin.into(),
             message,
         })?;
         Ok(config)

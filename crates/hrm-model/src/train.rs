@@ -41,13 +41,21 @@ impl ModelSpec {
     /// Reads a Hugging Face `config.json` (`model_type` hrm_text, hrm_text_moe or llama).
     pub fn from_config_file(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let probe: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
+        Self::from_config_json(&text, path)
+    }
+
+    /// Parses `config.json` text; `origin` names it in errors.
+    pub fn from_config_json(text: &str, origin: &Path) -> Result<Self> {
+        let path = origin;
+        let probe: serde_json::Value = serde_json::from_str(text).map_err(|e| Error::Config {
             path: path.into(),
             message: e.to_string(),
         })?;
         match probe["model_type"].as_str() {
-            Some("hrm_text" | "hrm_text_moe") => Ok(Self::HrmText(HrmTextConfig::from_file(path)?)),
-            Some("llama") => Ok(Self::Llama(LlamaConfig::from_file(path)?)),
+            Some("hrm_text" | "hrm_text_moe") => {
+                Ok(Self::HrmText(HrmTextConfig::from_json(text, path)?))
+            }
+            Some("llama") => Ok(Self::Llama(LlamaConfig::from_json(text, path)?)),
             other => Err(Error::Config {
                 path: path.into(),
                 message: format!(
@@ -403,6 +411,27 @@ impl Trainer {
         })
     }
 
+    /// A model whose variables start from `weights` (see [`build_with_weights`]).
+    pub fn from_weights(
+        spec: ModelSpec,
+        weights: &HashMap<String, Tensor>,
+        schedule: LrSchedule,
+        optimizer: AdamWConfig,
+        grad_clip: f64,
+        device: &Device,
+    ) -> Result<Self> {
+        let (varmap, model) = build_with_weights(&spec, weights, device)?;
+        let optimizer = AdamW::new(trainable_vars(&varmap), optimizer)?;
+        Ok(Self {
+            spec,
+            varmap,
+            model,
+            optimizer,
+            schedule,
+            grad_clip,
+        })
+    }
+
     /// One optimiser step over `micro_batches` (each a list of equal-length rows); gradients are
     /// averaged over the micro-batches, so the step equals one over their union.
     pub fn step(&mut self, micro_batches: &[Vec<Vec<u32>>]) -> Result<StepReport> {
@@ -452,16 +481,46 @@ impl Trainer {
 
     /// Mean cross-entropy over `rows` (no gradients), in micro-batches of `micro_batch` rows.
     pub fn evaluate(&self, rows: &[Vec<u32>], micro_batch: usize) -> Result<f64> {
-        let mut total = 0.0;
-        let mut count = 0usize;
-        for chunk in rows.chunks(micro_batch.max(1)) {
-            let loss = lm_loss(self.model.as_ref(), chunk, 0.0)?;
-            let n = chunk.iter().map(|r| r.len() - 1).sum::<usize>();
-            total += f64::from(loss.cross_entropy.to_scalar::<f32>()?) * n as f64;
-            count += n;
-        }
-        Ok(total / count.max(1) as f64)
+        evaluate(self.model.as_ref(), rows, micro_batch)
     }
+}
+
+/// Mean cross-entropy of `model` over `rows`, in micro-batches of `micro_batch` rows.
+pub fn evaluate(model: &dyn CausalLm, rows: &[Vec<u32>], micro_batch: usize) -> Result<f64> {
+    let mut total = 0.0;
+    let mut count = 0usize;
+    for chunk in rows.chunks(micro_batch.max(1)) {
+        let loss = lm_loss(model, chunk, 0.0)?;
+        let n = chunk.iter().map(|r| r.len() - 1).sum::<usize>();
+        total += f64::from(loss.cross_entropy.to_scalar::<f32>()?) * n as f64;
+        count += n;
+    }
+    Ok(total / count.max(1) as f64)
+}
+
+/// Builds `spec` in f32 with its variables set from `weights` (name to tensor), which must
+/// hold every variable with its shape.
+pub fn build_with_weights(
+    spec: &ModelSpec,
+    weights: &HashMap<String, Tensor>,
+    device: &Device,
+) -> Result<(VarMap, Box<dyn CausalLm>)> {
+    let varmap = VarMap::new();
+    let model = spec.build(&varmap, DType::F32, device)?;
+    for (name, var) in sorted_vars(&varmap) {
+        let value = weights
+            .get(&name)
+            .ok_or_else(|| Error::InvalidInput(format!("weights lack `{name}`")))?;
+        if value.dims() != var.as_tensor().dims() {
+            return Err(Error::InvalidInput(format!(
+                "`{name}` has shape {:?}, the model's is {:?}",
+                value.dims(),
+                var.as_tensor().dims()
+            )));
+        }
+        var.set(&value.to_dtype(DType::F32)?.to_device(device)?)?;
+    }
+    Ok((varmap, model))
 }
 
 fn global_norm(grads: &HashMap<String, Tensor>) -> Result<f32> {
@@ -618,4 +677,96 @@ pub fn save_pretrained(
 fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     let text = serde_json::to_string_pretty(value).expect("JSON serialises");
     std::fs::write(path, text + "\n").map_err(|e| Error::io(path, e))
+}
+
+/// How a volunteer trains on one batch, as the hub prescribes it: fresh AdamW state, a
+/// constant learning rate, `inner_steps` steps over a seeded shuffle of the batch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LocalTraining {
+    pub inner_steps: usize,
+    pub learning_rate: f64,
+    pub weight_decay: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub grad_clip: f64,
+    pub seed: u64,
+    /// Rows per forward pass; gradients are accumulated, so it changes memory, not the result.
+    pub micro_batch: usize,
+}
+
+/// The outcome of [`local_update`].
+pub struct LocalUpdate {
+    /// Per variable, start weights minus end weights (a pseudo-gradient: it points uphill).
+    pub delta: HashMap<String, Tensor>,
+    /// Mean training loss over the inner steps.
+    pub mean_loss: f64,
+    pub tokens: usize,
+}
+
+/// Trains a copy of `weights` on `samples` as `plan` says and returns the change.
+/// `on_step(step, report)` is called after each inner step.
+pub fn local_update(
+    spec: &ModelSpec,
+    weights: &HashMap<String, Tensor>,
+    samples: &[Vec<u32>],
+    plan: &LocalTraining,
+    device: &Device,
+    mut on_step: impl FnMut(usize, &StepReport),
+) -> Result<LocalUpdate> {
+    use rand::seq::SliceRandom;
+    if samples.is_empty() || plan.inner_steps == 0 {
+        return Err(Error::InvalidInput(
+            "a local update needs samples and at least one step".into(),
+        ));
+    }
+    let schedule = LrSchedule {
+        peak: plan.learning_rate,
+        warmup_steps: 0,
+        total_steps: plan.inner_steps,
+        kind: ScheduleKind::Constant,
+        min_ratio: 1.0,
+    };
+    let optimizer = AdamWConfig {
+        beta1: plan.beta1,
+        beta2: plan.beta2,
+        weight_decay: plan.weight_decay,
+        ..AdamWConfig::default()
+    };
+    let mut trainer = Trainer::from_weights(
+        spec.clone(),
+        weights,
+        schedule,
+        optimizer,
+        plan.grad_clip,
+        device,
+    )?;
+    let mut start = HashMap::new();
+    for (name, var) in sorted_vars(&trainer.varmap) {
+        start.insert(name, var.as_tensor().copy()?);
+    }
+    let mut order: Vec<usize> = (0..samples.len()).collect();
+    order.shuffle(&mut StdRng::seed_from_u64(plan.seed));
+    let per_step = samples.len().div_ceil(plan.inner_steps);
+    let (mut loss_sum, mut steps, mut tokens) = (0.0, 0usize, 0usize);
+    for (step, group) in order.chunks(per_step).enumerate() {
+        let rows: Vec<Vec<u32>> = group.iter().map(|&i| samples[i].clone()).collect();
+        let micro: Vec<Vec<Vec<u32>>> = rows
+            .chunks(plan.micro_batch.max(1))
+            .map(<[_]>::to_vec)
+            .collect();
+        let report = trainer.step(&micro)?;
+        loss_sum += f64::from(report.loss);
+        tokens += report.tokens;
+        steps += 1;
+        on_step(step, &report);
+    }
+    let mut delta = HashMap::new();
+    for (name, var) in sorted_vars(&trainer.varmap) {
+        delta.insert(name.clone(), (&start[&name] - var.as_tensor())?);
+    }
+    Ok(LocalUpdate {
+        delta,
+        mean_loss: loss_sum / steps as f64,
+        tokens,
+    })
 }

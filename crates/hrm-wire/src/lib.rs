@@ -1,5 +1,12 @@
-//! The wire protocol of the training network: the request and response types of the hub's
-//! `/api/v1` REST and WebSocket interface, shared by `hrm-hub` and `hrm-worker`, and the small
-//! HTTP client the worker and the hub's tests use.
-//!
-//! Status: an empty shell; it lands with the hub.
+//! The wire protocol of the training network, shared by `hrm-hub` and `hrm-worker`: the request
+//! and response bodies of the hub's `/api/v1` REST and WebSocket interface ([`messages`]), the
+//! safetensors checkpoint and update files with the checks the hub applies to uploads
+//! ([`update`]), and a small typed HTTP client ([`client`]).
+
+pub mod client;
+pub mod messages;
+pub mod update;
+
+pub use client::{ClientError, HubClient};
+pub use messages::*;
+pub use update::{Encoding, ParamSpec, Schema, UpdateError};

@@ -1,0 +1,225 @@
+//! `hrm hub`: runs the aggregation server and its operator commands (init, ingest, rollback,
+//! versions). Every subcommand opens the same storage, so they can run beside a live hub.
+
+use anyhow::{Context, Result};
+use clap::{Args, Subcommand};
+use hrm_hub::Hub;
+use hrm_hub::config::{PolicyArgs, StorageArgs};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Subcommand)]
+pub enum HubCommand {
+    /// Serve the hub's /api/v1 interface, the status feed and the dashboard.
+    Serve(ServeArgs),
+    /// Publish the first model version from a Hugging Face checkpoint directory.
+    Init(InitArgs),
+    /// Cut a corpus into pre-chunked batches (gzip JSON lines) and queue them.
+    Ingest(IngestArgs),
+    /// Make an earlier version current again.
+    Rollback(RollbackArgs),
+    /// List the model versions and their metrics.
+    Versions(StorageOnly),
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "HRM_HUB_ADDR", default_value = "127.0.0.1:8090")]
+    addr: String,
+    /// File holding the admin key that may call POST /api/v1/aggregate (or HRM_HUB_ADMIN_KEY).
+    #[arg(long, env = "HRM_HUB_ADMIN_KEY_FILE")]
+    admin_key_file: Option<PathBuf>,
+    #[command(flatten)]
+    storage: StorageArgs,
+    #[command(flatten)]
+    policy: PolicyArgs,
+}
+
+#[derive(Args)]
+pub struct StorageOnly {
+    #[command(flatten)]
+    storage: StorageArgs,
+}
+
+#[derive(Args)]
+pub struct InitArgs {
+    /// Checkpoint directory (config.json and model.safetensors), e.g. models/sample-moe.
+    #[arg(long)]
+    model: PathBuf,
+    #[command(flatten)]
+    storage: StorageArgs,
+}
+
+#[derive(Args)]
+pub struct IngestArgs {
+    /// Training text (.txt, or .jsonl / .jsonl.gz with a "text" field).
+    #[arg(long)]
+    corpus: PathBuf,
+    /// Held-out text whose windows score each new version.
+    #[arg(long)]
+    valid: Option<PathBuf>,
+    #[arg(long, default_value = "models/tokenizer.json")]
+    tokenizer: PathBuf,
+    /// Name recorded with the batches.
+    #[arg(long, default_value = "default")]
+    dataset: String,
+    /// Samples per batch: 256, 512 or 1024 (pre-chunked sizes), or any size with --custom-size.
+    #[arg(long, default_value_t = 512)]
+    batch_size: usize,
+    /// Allow a batch size other than 256, 512 and 1024.
+    #[arg(long)]
+    custom_size: bool,
+    /// Tokens per sample (each sample holds seq_len + 1 ids).
+    #[arg(long, default_value_t = 128)]
+    seq_len: usize,
+    #[command(flatten)]
+    storage: StorageArgs,
+}
+
+#[derive(Args)]
+pub struct RollbackArgs {
+    /// The version to make current, e.g. v0.1.5.
+    version: String,
+    #[command(flatten)]
+    storage: StorageArgs,
+}
+
+/// Operator commands need no aggregation policy; the defaults are checked and unused.
+fn default_policy() -> Result<hrm_hub::config::Policy> {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Defaults {
+        #[command(flatten)]
+        policy: PolicyArgs,
+    }
+    Defaults::parse_from(["hrm"]).policy.policy()
+}
+
+async fn open(storage: &StorageArgs) -> Result<Arc<Hub>> {
+    Hub::open(storage, default_policy()?, None).await
+}
+
+pub fn run(command: HubCommand) -> Result<()> {
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async move {
+        match command {
+            HubCommand::Serve(args) => serve(args).await,
+            HubCommand::Init(args) => {
+                let hub = open(&args.storage).await?;
+                let info = hrm_hub::versions::init(&hub, &args.model).await?;
+                println!(
+                    "published {} ({} parameters, sha256 {})",
+                    info.version, info.num_parameters, info.sha256
+                );
+                Ok(())
+            }
+            HubCommand::Ingest(args) => ingest(args).await,
+            HubCommand::Rollback(args) => {
+                let hub = open(&args.storage).await?;
+                let info = hrm_hub::versions::rollback(&hub, &args.version).await?;
+                println!("current version is now {}", info.version);
+                Ok(())
+            }
+            HubCommand::Versions(args) => {
+                let hub = open(&args.storage).await?;
+                let current = hrm_hub::versions::current_version(&hub).await?;
+                for row in hrm_hub::versions::all_versions(&hub).await? {
+                    let mark = if current.as_deref() == Some(row.version.as_str()) {
+                        "*"
+                    } else {
+                        " "
+                    };
+                    println!(
+                        "{mark} {:<12} parent {:<12} {}",
+                        row.version,
+                        row.parent.as_deref().unwrap_or("-"),
+                        row.metrics
+                    );
+                }
+                Ok(())
+            }
+        }
+    })
+}
+
+async fn serve(args: ServeArgs) -> Result<()> {
+    let admin_key = match (&args.admin_key_file, std::env::var("HRM_HUB_ADMIN_KEY")) {
+        (Some(path), _) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?
+                .trim()
+                .to_string(),
+        ),
+        (None, Ok(key)) if !key.is_empty() => Some(key),
+        _ => None,
+    };
+    let policy = args.policy.policy()?;
+    let hub = Hub::open(&args.storage, policy, admin_key.as_deref()).await?;
+    let listener = tokio::net::TcpListener::bind(&args.addr)
+        .await
+        .with_context(|| format!("binding {}", args.addr))?;
+    tracing::info!(
+        addr = %listener.local_addr()?,
+        database = hub.db.backend.name(),
+        queue = hub.queue.description(),
+        objects = hub.blobs.description(),
+        admin = admin_key.is_some(),
+        "hub listening"
+    );
+    if hrm_hub::versions::current_version(&hub).await?.is_none() {
+        tracing::warn!(
+            "no model yet: run `hrm hub init --model DIR` with the same storage settings"
+        );
+    }
+    hrm_hub::serve(hub, listener, async {
+        let _ = tokio::signal::ctrl_c().await;
+    })
+    .await
+}
+
+async fn ingest(args: IngestArgs) -> Result<()> {
+    if !args.custom_size && !hrm_hub::batches::BATCH_SIZES.contains(&args.batch_size) {
+        anyhow::bail!("--batch-size must be 256, 512 or 1024 (or pass --custom-size)");
+    }
+    let tokenizer = tokenizers::Tokenizer::from_file(&args.tokenizer)
+        .map_err(|e| anyhow::anyhow!("loading {}: {e}", args.tokenizer.display()))?;
+    let eot = tokenizer
+        .token_to_id(hrm_model::tokenizer::END_OF_TEXT)
+        .context("the tokenizer has no <|endoftext|> token")?;
+    let tokens = hrm_model::train::corpus_tokens(&args.corpus, &tokenizer, eot)?;
+    let valid = match &args.valid {
+        Some(path) => Some(hrm_model::train::corpus_tokens(path, &tokenizer, eot)?),
+        None => None,
+    };
+    let hub = open(&args.storage).await?;
+    let bar = indicatif::ProgressBar::new(0).with_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} batches {elapsed} (ETA {eta})",
+        )
+        .expect("template"),
+    );
+    let report = hrm_hub::batches::ingest(
+        &hub,
+        &args.dataset,
+        &tokens,
+        valid.as_deref(),
+        args.batch_size,
+        args.seq_len,
+        |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        },
+    )
+    .await?;
+    bar.finish_and_clear();
+    println!(
+        "{} batches ({} new) of up to {} samples, {} samples in all; {} validation windows",
+        report.batches,
+        report.new_batches,
+        args.batch_size,
+        report.samples,
+        report.validation_windows
+    );
+    Ok(())
+}

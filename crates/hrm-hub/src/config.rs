@@ -1,0 +1,235 @@
+//! The hub's settings: command-line flags, each with its environment variable (the
+//! specification's `DATABASE_URL`, `REDIS_URL`, `S3_BUCKET`, `AGGREGATION_INTERVAL` and
+//! `MIN_GRADIENTS_FOR_UPDATE`, and `HRM_HUB_*` for the rest).
+
+use crate::rules::{OuterOptimizer, Rule};
+use anyhow::{Result, bail};
+use clap::{Args, ValueEnum};
+use hrm_wire::TrainingPlan;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Where the hub keeps its state.
+#[derive(Args, Debug, Clone)]
+pub struct StorageArgs {
+    /// Directory of the embedded defaults: `hub.db` (SQLite) and `objects/` (the object store).
+    #[arg(long, env = "HRM_HUB_DATA_DIR", default_value = "hub-data")]
+    pub data_dir: PathBuf,
+    /// `postgres://user@host/db` or `sqlite://path`; default: SQLite in the data directory.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// `redis://host:6379`; default: an in-process queue.
+    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
+    pub redis_url: Option<String>,
+    /// Redis key prefix, so hubs (or tests) can share one Redis.
+    #[arg(long, env = "HRM_HUB_REDIS_PREFIX", default_value = "hrm-hub")]
+    pub redis_prefix: String,
+    /// S3 bucket for checkpoints, batches and updates (endpoint and credentials from `AWS_*`);
+    /// default: files under the data directory.
+    #[arg(long, env = "S3_BUCKET")]
+    pub s3_bucket: Option<String>,
+}
+
+impl StorageArgs {
+    pub fn database_url(&self) -> String {
+        self.database_url.clone().unwrap_or_else(|| {
+            format!(
+                "sqlite://{}?mode=rwc",
+                self.data_dir.join("hub.db").display()
+            )
+        })
+    }
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq)]
+pub enum RuleName {
+    Mean,
+    Krum,
+    MultiKrum,
+    TrimmedMean,
+    Median,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq)]
+pub enum OuterName {
+    Plain,
+    Fedadam,
+    Nesterov,
+}
+
+/// How the hub aggregates, trusts and paces.
+#[derive(Args, Debug, Clone)]
+pub struct PolicyArgs {
+    /// Seconds between scheduled aggregations.
+    #[arg(long, env = "AGGREGATION_INTERVAL", default_value_t = 60)]
+    pub aggregation_interval: u64,
+    /// Pending updates that trigger an aggregation (and that `POST /aggregate` waits for).
+    #[arg(long, env = "MIN_GRADIENTS_FOR_UPDATE", default_value_t = 10)]
+    pub min_gradients_for_update: usize,
+    /// Most pending updates read by one aggregation.
+    #[arg(long, env = "HRM_HUB_MAX_UPDATES", default_value_t = 100)]
+    pub max_updates_per_aggregation: usize,
+    /// How updates are combined.
+    #[arg(long, env = "HRM_HUB_RULE", value_enum, default_value_t = RuleName::Mean)]
+    pub rule: RuleName,
+    /// Byzantine updates Krum and Multi-Krum tolerate.
+    #[arg(long, env = "HRM_HUB_BYZANTINE", default_value_t = 1)]
+    pub byzantine: usize,
+    /// Updates Multi-Krum keeps (0: all but `--byzantine`).
+    #[arg(long, env = "HRM_HUB_KRUM_SELECT", default_value_t = 0)]
+    pub krum_select: usize,
+    /// Fraction trimmed from each end by the trimmed mean.
+    #[arg(long, env = "HRM_HUB_TRIM_FRACTION", default_value_t = 0.1)]
+    pub trim_fraction: f32,
+    /// The outer optimiser that applies the combined update.
+    #[arg(long, env = "HRM_HUB_OUTER", value_enum, default_value_t = OuterName::Plain)]
+    pub outer: OuterName,
+    /// Outer learning rate (default: 1 for plain, 0.7 for nesterov, 0.003 for fedadam).
+    #[arg(long, env = "HRM_HUB_OUTER_LR")]
+    pub outer_lr: Option<f32>,
+    /// Momentum of the Nesterov outer optimiser.
+    #[arg(long, env = "HRM_HUB_OUTER_MOMENTUM", default_value_t = 0.9)]
+    pub outer_momentum: f32,
+    /// Updates further than this many robust standard deviations from the others are rejected.
+    #[arg(long, env = "HRM_HUB_OUTLIER_SIGMAS", default_value_t = 3.0)]
+    pub outlier_sigmas: f64,
+    /// Versions an update may lag the current one (bounded staleness).
+    #[arg(long, env = "HRM_HUB_MAX_STALENESS", default_value_t = 4)]
+    pub max_staleness: i64,
+    /// Seconds a worker holds a batch before it goes back to the queue.
+    #[arg(long, env = "HRM_HUB_LEASE_SECONDS", default_value_t = 900)]
+    pub lease_seconds: u64,
+    /// Leases or rejected updates after which a batch is marked failed.
+    #[arg(long, env = "HRM_HUB_MAX_ATTEMPTS", default_value_t = 3)]
+    pub max_attempts: i64,
+    /// Token bucket per worker: burst size.
+    #[arg(long, env = "HRM_HUB_RATE_BURST", default_value_t = 60.0)]
+    pub rate_burst: f64,
+    /// Token bucket per worker: requests per second refilled.
+    #[arg(long, env = "HRM_HUB_RATE_PER_SECOND", default_value_t = 5.0)]
+    pub rate_per_second: f64,
+    /// Workers whose reputation falls below this are refused.
+    #[arg(long, env = "HRM_HUB_MIN_REPUTATION", default_value_t = 0.3)]
+    pub min_reputation: f64,
+    /// Fraction of accepted updates the hub recomputes to check.
+    #[arg(long, env = "HRM_HUB_VERIFY_FRACTION", default_value_t = 0.05)]
+    pub verify_fraction: f64,
+    /// Cosine similarity a recomputed update must reach to count as agreeing.
+    #[arg(long, env = "HRM_HUB_VERIFY_MIN_COSINE", default_value_t = 0.9)]
+    pub verify_min_cosine: f64,
+    /// Validation windows evaluated for each new version's metrics (0: none).
+    #[arg(long, env = "HRM_HUB_EVAL_WINDOWS", default_value_t = 32)]
+    pub eval_windows: usize,
+    /// Inner AdamW steps a worker takes over one batch.
+    #[arg(long, env = "HRM_HUB_INNER_STEPS", default_value_t = 8)]
+    pub inner_steps: u32,
+    /// Inner learning rate.
+    #[arg(long, env = "HRM_HUB_INNER_LR", default_value_t = 1e-3)]
+    pub inner_lr: f64,
+    /// Seconds between WebSocket heartbeats; a client silent for three of them is dropped.
+    #[arg(long, env = "HRM_HUB_HEARTBEAT_SECONDS", default_value_t = 15)]
+    pub heartbeat_seconds: u64,
+}
+
+/// Settings derived from [`PolicyArgs`], checked.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    pub aggregation_interval: Duration,
+    pub min_gradients: usize,
+    pub max_updates: usize,
+    pub rule: Rule,
+    pub outer: OuterOptimizer,
+    pub outlier_sigmas: f64,
+    pub max_staleness: i64,
+    pub lease: Duration,
+    pub max_attempts: i64,
+    pub rate_burst: f64,
+    pub rate_per_second: f64,
+    pub min_reputation: f64,
+    pub verify_fraction: f64,
+    pub verify_min_cosine: f64,
+    pub eval_windows: usize,
+    pub plan: TrainingPlan,
+    pub heartbeat: Duration,
+}
+
+impl PolicyArgs {
+    pub fn policy(&self) -> Result<Policy> {
+        if self.min_gradients_for_update == 0
+            || self.max_updates_per_aggregation < self.min_gradients_for_update
+        {
+            bail!("need 1 <= MIN_GRADIENTS_FOR_UPDATE <= --max-updates-per-aggregation");
+        }
+        if !(0.0..0.5).contains(&self.trim_fraction) {
+            bail!("--trim-fraction must be in [0, 0.5)");
+        }
+        if self.aggregation_interval == 0 || self.lease_seconds == 0 || self.heartbeat_seconds == 0
+        {
+            bail!("AGGREGATION_INTERVAL, --lease-seconds and --heartbeat-seconds must be positive");
+        }
+        if !(0.0..=1.0).contains(&self.verify_fraction)
+            || self.rate_burst < 1.0
+            || self.rate_per_second <= 0.0
+        {
+            bail!(
+                "--verify-fraction must be in [0, 1], --rate-burst >= 1 and --rate-per-second > 0"
+            );
+        }
+        let rule = match self.rule {
+            RuleName::Mean => Rule::Mean,
+            RuleName::Krum => Rule::Krum {
+                byzantine: self.byzantine,
+            },
+            RuleName::MultiKrum => Rule::MultiKrum {
+                byzantine: self.byzantine,
+                select: self.krum_select,
+            },
+            RuleName::TrimmedMean => Rule::TrimmedMean {
+                trim_fraction: self.trim_fraction,
+            },
+            RuleName::Median => Rule::Median,
+        };
+        let outer = match self.outer {
+            OuterName::Plain => OuterOptimizer::Plain {
+                lr: self.outer_lr.unwrap_or(1.0),
+            },
+            OuterName::Nesterov => OuterOptimizer::Nesterov {
+                lr: self.outer_lr.unwrap_or(0.7),
+                momentum: self.outer_momentum,
+            },
+            OuterName::Fedadam => OuterOptimizer::FedAdam {
+                lr: self.outer_lr.unwrap_or(0.003),
+                beta1: 0.9,
+                beta2: 0.99,
+                tau: 1e-3,
+            },
+        };
+        Ok(Policy {
+            aggregation_interval: Duration::from_secs(self.aggregation_interval),
+            min_gradients: self.min_gradients_for_update,
+            max_updates: self.max_updates_per_aggregation,
+            rule,
+            outer,
+            outlier_sigmas: self.outlier_sigmas,
+            max_staleness: self.max_staleness,
+            lease: Duration::from_secs(self.lease_seconds),
+            max_attempts: self.max_attempts.max(1),
+            rate_burst: self.rate_burst,
+            rate_per_second: self.rate_per_second,
+            min_reputation: self.min_reputation,
+            verify_fraction: self.verify_fraction,
+            verify_min_cosine: self.verify_min_cosine,
+            eval_windows: self.eval_windows,
+            plan: TrainingPlan {
+                inner_steps: self.inner_steps.max(1),
+                learning_rate: self.inner_lr,
+                weight_decay: 0.1,
+                beta1: 0.9,
+                beta2: 0.95,
+                grad_clip: 1.0,
+                seed: 0,
+            },
+            heartbeat: Duration::from_secs(self.heartbeat_seconds),
+        })
+    }
+}
