@@ -312,9 +312,9 @@ async fn mean_loss(hub: &Hub, pending: &[Pending], aggregated: &[usize]) -> Resu
     Ok((!aggregated.is_empty()).then(|| sum / aggregated.len() as f64))
 }
 
-/// Records the verdicts, and publishes `version` when given, in one transaction. The first
-/// statement is the compare-and-set on the current version, so a concurrent rollback or
-/// publication makes the whole transaction fail instead of half-applying.
+/// Records the verdicts, and publishes `version` when given, in one transaction. Publishing
+/// is a compare-and-set on the current version, so a concurrent rollback or publication makes
+/// the whole transaction fail instead of half-applying.
 async fn mark(
     hub: &Hub,
     pending: &[Pending],
@@ -324,20 +324,6 @@ async fn mark(
     let now = now_ms();
     let mut tx = hub.db.pool.begin().await?;
     if let Some((base, row)) = publish {
-        let moved = sqlx::query(
-            "UPDATE hub_state SET current_version = $1, patch = patch + 1, last_aggregation_at = $2 WHERE id = 1 AND current_version = $3",
-        )
-        .bind(&row.version)
-        .bind(now)
-        .bind(base)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if moved != 1 {
-            bail!(
-                "the current version changed during aggregation (a rollback?); nothing was published"
-            );
-        }
         sqlx::query(
             "INSERT INTO model_versions (version, checkpoint_url, sha256, num_parameters, parent, step, optimizer_url, config, metrics, created_at) \
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
@@ -354,6 +340,20 @@ async fn mark(
         .bind(row.created_at)
         .execute(&mut *tx)
         .await?;
+        let moved = sqlx::query(
+            "UPDATE hub_state SET current_version = $1, patch = patch + 1, last_aggregation_at = $2 WHERE id = 1 AND current_version = $3",
+        )
+        .bind(&row.version)
+        .bind(now)
+        .bind(base)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+        if moved != 1 {
+            bail!(
+                "the current version changed during aggregation (a rollback?); nothing was published"
+            );
+        }
     }
     let version = publish.map(|(_, row)| row.version.as_str());
     let statuses = verdicts

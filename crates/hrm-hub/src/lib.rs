@@ -110,18 +110,21 @@ impl Hub {
     /// aggregator, a rollback and the stats loop all report what they see).
     pub fn announce_version(&self, version: &str, parent: Option<String>) {
         let mut last = self.announced.lock().expect("announced lock");
-        if last.as_deref() == Some(version) {
-            return;
-        }
-        let first = last.is_none();
-        *last = Some(version.to_string());
-        // The first sighting after start is the state clients get in their hello, not news.
-        if !first {
+        if last.as_deref() != Some(version) {
+            *last = Some(version.to_string());
             self.publish(StatusEvent::Version {
                 version: version.to_string(),
                 parent,
             });
         }
+    }
+
+    /// Records the version current at start-up, which clients learn from their hello.
+    pub fn remember_version(&self, version: &str) {
+        self.announced
+            .lock()
+            .expect("announced lock")
+            .get_or_insert_with(|| version.to_string());
     }
 }
 

@@ -73,6 +73,9 @@ pub async fn global(hub: &Hub) -> Result<GlobalStats> {
 
 /// Publishes stats every `interval` and a version event when the current version changes.
 pub async fn run_loop(hub: Arc<Hub>, interval: Duration) {
+    if let Ok(Some(version)) = crate::versions::current_version(&hub).await {
+        hub.remember_version(&version);
+    }
     let mut ticker = tokio::time::interval(interval);
     loop {
         ticker.tick().await;

@@ -118,12 +118,15 @@ impl HubClient {
         Self::send(self.request(Method::GET, "api/v1/model/versions")?).await
     }
 
-    /// Downloads a checkpoint file (safetensors).
+    /// Downloads a file the hub named: a checkpoint, or a batch (the hub's route or a
+    /// presigned URL, which gets no key).
     pub async fn download(&self, url: &str) -> Result<Bytes, ClientError> {
-        Ok(checked(self.request(Method::GET, url)?.send().await?)
-            .await?
-            .bytes()
-            .await?)
+        let builder = if url.starts_with('/') {
+            self.request(Method::GET, url)?
+        } else {
+            self.http.get(self.resolve(url)?)
+        };
+        Ok(checked(builder.send().await?).await?.bytes().await?)
     }
 
     /// Leases the next batch; `None` when the hub has none to give (`204`).
@@ -175,6 +178,11 @@ impl HubClient {
             .http
             .request(method, self.resolve(&target.url)?)
             .body(bytes);
+        // The hub's own upload route (a relative URL) takes the worker's key; a presigned
+        // URL must not see it.
+        if target.url.starts_with('/') {
+            builder = builder.bearer_auth(&self.api_key);
+        }
         for (name, value) in &target.headers {
             builder = builder.header(name, value);
         }
