@@ -105,6 +105,21 @@ pub async fn verify_next(hub: &Hub) -> Result<Option<f64>> {
     .await?;
     let Some(row) = row else { return Ok(None) };
     let update_id: String = row.try_get("update_id")?;
+    match recompute(hub, &row).await {
+        Ok(cosine) => Ok(Some(cosine)),
+        Err(e) => {
+            // Parked, so that one unverifiable update cannot stall the others.
+            sqlx::query("UPDATE gradient_updates SET verification = 'error' WHERE update_id = $1")
+                .bind(&update_id)
+                .execute(&hub.db.pool)
+                .await?;
+            Err(e.context(format!("re-verifying update {update_id}")))
+        }
+    }
+}
+
+async fn recompute(hub: &Hub, row: &sqlx::any::AnyRow) -> Result<f64> {
+    let update_id: String = row.try_get("update_id")?;
     let worker_id: String = row.try_get("worker_id")?;
     let batch_id: String = row.try_get("batch_id")?;
     let version: String = row.try_get("model_version")?;
@@ -162,17 +177,18 @@ pub async fn verify_next(hub: &Hub) -> Result<Option<f64>> {
         }
     }
     tx.commit().await?;
-    if status_is_final(&row)? {
+    // The aggregator leaves the files of queued updates; once verified and no longer pending
+    // (read now: the aggregator may have run meanwhile), the file goes.
+    let status: String =
+        sqlx::query_scalar("SELECT status FROM gradient_updates WHERE update_id = $1")
+            .bind(&update_id)
+            .fetch_one(&hub.db.pool)
+            .await?;
+    if status != "pending" {
         hub.blobs.delete(&key).await?;
     }
     tracing::info!(update = update_id, cosine, agreed, "re-verified an update");
-    Ok(Some(cosine))
-}
-
-/// The aggregator keeps files of queued updates; once verified and no longer pending, they go.
-fn status_is_final(row: &sqlx::any::AnyRow) -> Result<bool> {
-    let status: String = row.try_get("status")?;
-    Ok(status != "pending")
+    Ok(cosine)
 }
 
 /// Background loop: verifies queued updates one at a time.

@@ -734,3 +734,71 @@ async fn the_dashboard_and_public_routes_need_no_key() {
         .unwrap();
     assert_eq!(rows.get::<i64, _>("n"), 0);
 }
+
+#[tokio::test]
+async fn re_verification_recomputes_updates_and_moves_reputation() {
+    use candle_core::Device;
+    use hrm_model::train::{ModelSpec, local_update};
+    let t = start(policy(&["--verify-fraction", "1"]), 4).await;
+    let info = t.admin.current_model().await.unwrap();
+    let spec = ModelSpec::from_config_json(
+        &info.config.to_string(),
+        std::path::Path::new("config.json"),
+    )
+    .unwrap();
+
+    // An honest worker trains exactly as the plan says.
+    let honest_worker = SimWorker::join(&t.url, "trainer").await;
+    let batch = honest_worker.lease().await.unwrap();
+    let (schema, params) = honest_worker.checkpoint(&batch.model_version).await;
+    let samples = hrm_hub::batches::decode_samples(
+        &honest_worker
+            .client
+            .download(&batch.data_url)
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    let weights = hrm_hub::verify::to_tensors(&schema, &params).unwrap();
+    let plan = hrm_hub::verify::local_training(&batch.plan, 2);
+    let trained = local_update(&spec, &weights, &samples, &plan, &Device::Cpu, |_, _| {}).unwrap();
+    let delta = hrm_hub::verify::to_flat(&schema, &trained.delta).unwrap();
+    assert!(delta.iter().any(|v| *v != 0.0));
+    let file = encode_update(&schema, &delta, &batch.model_version, Encoding::Dense);
+    honest_worker
+        .upload(&batch, &batch.model_version, file)
+        .await
+        .unwrap();
+
+    // A lazy one uploads something plausible-looking that it never computed.
+    let lazy = SimWorker::join(&t.url, "lazy").await;
+    lazy.contribute(&honest).await;
+
+    let mut cosines = Vec::new();
+    while let Some(cosine) = hrm_hub::verify::verify_next(&t.hub).await.unwrap() {
+        cosines.push(cosine);
+    }
+    assert_eq!(cosines.len(), 2);
+    assert!(
+        cosines[0] > 0.999,
+        "an exact recomputation must agree: {}",
+        cosines[0]
+    );
+    assert!(
+        cosines[1] < 0.5,
+        "a made-up update must not: {}",
+        cosines[1]
+    );
+    let trusted = honest_worker.client.worker_stats().await.unwrap();
+    let doubted = lazy.client.worker_stats().await.unwrap();
+    assert!(
+        (trusted.reputation_score - 1.05).abs() < 1e-9,
+        "{}",
+        trusted.reputation_score
+    );
+    assert!(
+        (doubted.reputation_score - 0.5).abs() < 1e-9,
+        "{}",
+        doubted.reputation_score
+    );
+}
