@@ -1,5 +1,6 @@
 //! `hrm bench`: measurements, kept apart from the test suite.
 
+pub mod hub;
 pub mod model;
 pub mod train;
 
@@ -22,6 +23,10 @@ pub enum BenchCommand {
     /// One training measurement in a fresh process (used by `hrm bench train`).
     #[command(hide = true)]
     TrainRun(train::TrainRunArgs),
+    /// Simulated workers (no training) against a running hub: requests/s, p50/p99, errors.
+    HubLoad(hub::LoadArgs),
+    /// Time of each aggregation rule next to the memory-bandwidth bound of reading the updates.
+    Aggregate(hub::AggregateArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
@@ -30,6 +35,8 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::ModelRun(args) => model::run_one(args),
         BenchCommand::Train(args) => train::run(args),
         BenchCommand::TrainRun(args) => train::run_one(args),
+        BenchCommand::HubLoad(args) => hub::run_load(args),
+        BenchCommand::Aggregate(args) => hub::run_aggregate(args),
     }
 }
 
