@@ -101,7 +101,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(args) => serve::run(*args),
         command => {
-            init_logging("info");
+            init_logging("info,sqlx=warn");
             match command {
                 Command::Ui(args) => serve::run_ui(args),
                 Command::Generate(args) => generate::run_generate(args),
