@@ -402,12 +402,7 @@ async fn leases_are_single_expire_and_are_reassigned() {
         .await
         .unwrap();
     hrm_hub::batches::reap_expired_leases(&t.hub).await.unwrap();
-    let status: String =
-        sqlx::query_scalar("SELECT status FROM training_batches WHERE batch_id = $1")
-            .bind(first.batch_id.to_string())
-            .fetch_one(&t.hub.db.pool)
-            .await
-            .unwrap();
+    let status = batch_status(&t.hub, first.batch_id).await;
     assert_eq!(status, "failed");
 }
 
@@ -447,12 +442,7 @@ async fn outliers_are_rejected_and_cost_reputation() {
     assert!((stats.reputation_score - 0.8).abs() < 1e-9);
     assert_eq!((stats.validated_batches, stats.updates_rejected), (0, 1));
     // Its batch goes back to the queue for someone else.
-    let status: String =
-        sqlx::query_scalar("SELECT status FROM training_batches WHERE batch_id = $1")
-            .bind(poisoned_batch.batch_id.to_string())
-            .fetch_one(&t.hub.db.pool)
-            .await
-            .unwrap();
+    let status = batch_status(&t.hub, poisoned_batch.batch_id).await;
     assert_eq!(status, "pending");
 }
 
@@ -543,12 +533,7 @@ async fn stale_updates_are_refused_and_rollback_starts_a_new_line() {
         update_statuses(&t.hub).await[&orphan.update_id.to_string()].0,
         "stale"
     );
-    let status: String =
-        sqlx::query_scalar("SELECT status FROM training_batches WHERE batch_id = $1")
-            .bind(orphan_batch.batch_id.to_string())
-            .fetch_one(&t.hub.db.pool)
-            .await
-            .unwrap();
+    let status = batch_status(&t.hub, orphan_batch.batch_id).await;
     assert_eq!(status, "pending");
     let (_, now) = current_params(&t.hub).await;
     assert!(max_abs_diff(&now, &at_rollback) > 0.0);

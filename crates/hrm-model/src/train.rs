@@ -400,6 +400,17 @@ impl Trainer {
         let varmap = VarMap::new();
         let model = spec.build(&varmap, DType::F32, device)?;
         spec.initialise(&varmap, seed)?;
+        Self::assemble(spec, varmap, model, schedule, optimizer, grad_clip)
+    }
+
+    fn assemble(
+        spec: ModelSpec,
+        varmap: VarMap,
+        model: Box<dyn CausalLm>,
+        schedule: LrSchedule,
+        optimizer: AdamWConfig,
+        grad_clip: f64,
+    ) -> Result<Self> {
         let optimizer = AdamW::new(trainable_vars(&varmap), optimizer)?;
         Ok(Self {
             spec,
@@ -421,15 +432,7 @@ impl Trainer {
         device: &Device,
     ) -> Result<Self> {
         let (varmap, model) = build_with_weights(&spec, weights, device)?;
-        let optimizer = AdamW::new(trainable_vars(&varmap), optimizer)?;
-        Ok(Self {
-            spec,
-            varmap,
-            model,
-            optimizer,
-            schedule,
-            grad_clip,
-        })
+        Self::assemble(spec, varmap, model, schedule, optimizer, grad_clip)
     }
 
     /// One optimiser step over `micro_batches` (each a list of equal-length rows); gradients are

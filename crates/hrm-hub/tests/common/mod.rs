@@ -325,3 +325,12 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .map(|(x, y)| (x - y).abs())
         .fold(0.0, f32::max)
 }
+
+/// A batch's `status` column.
+pub async fn batch_status(hub: &Hub, batch: Uuid) -> String {
+    sqlx::query_scalar("SELECT status FROM training_batches WHERE batch_id = $1")
+        .bind(batch.to_string())
+        .fetch_one(&hub.db.pool)
+        .await
+        .unwrap()
+}
