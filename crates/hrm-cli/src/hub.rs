@@ -43,10 +43,18 @@ pub struct StorageOnly {
 }
 
 #[derive(Args)]
+#[group(id = "source", required = true, multiple = false, args = ["model", "config"])]
 pub struct InitArgs {
     /// Checkpoint directory (config.json and model.safetensors), e.g. models/sample-moe.
     #[arg(long)]
-    model: PathBuf,
+    model: Option<PathBuf>,
+    /// Start from scratch: an architecture config.json, initialised as `hrm train` does.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Seed of the initialisation with --config (the same seed as `hrm train --seed` gives the
+    /// same weights).
+    #[arg(long, default_value_t = 0, requires = "config")]
+    seed: u64,
     #[command(flatten)]
     storage: StorageArgs,
 }
@@ -107,7 +115,13 @@ pub fn run(command: HubCommand) -> Result<()> {
             HubCommand::Serve(args) => serve(args).await,
             HubCommand::Init(args) => {
                 let hub = open(&args.storage).await?;
-                let info = hrm_hub::versions::init(&hub, &args.model).await?;
+                let info = match (&args.model, &args.config) {
+                    (Some(model), _) => hrm_hub::versions::init(&hub, model).await?,
+                    (None, Some(config)) => {
+                        hrm_hub::versions::init_fresh(&hub, config, args.seed).await?
+                    }
+                    (None, None) => unreachable!("clap requires one of them"),
+                };
                 println!(
                     "published {} ({} parameters, sha256 {})",
                     info.version, info.num_parameters, info.sha256
@@ -182,11 +196,7 @@ async fn ingest(args: IngestArgs) -> Result<()> {
     if !args.custom_size && !hrm_hub::batches::BATCH_SIZES.contains(&args.batch_size) {
         anyhow::bail!("--batch-size must be 256, 512 or 1024 (or pass --custom-size)");
     }
-    let tokenizer = tokenizers::Tokenizer::from_file(&args.tokenizer)
-        .map_err(|e| anyhow::anyhow!("loading {}: {e}", args.tokenizer.display()))?;
-    let eot = tokenizer
-        .token_to_id(hrm_model::tokenizer::END_OF_TEXT)
-        .context("the tokenizer has no <|endoftext|> token")?;
+    let (tokenizer, eot) = crate::train::corpus_tokenizer(&args.tokenizer)?;
     let tokens = hrm_model::train::corpus_tokens(&args.corpus, &tokenizer, eot)?;
     let valid = match &args.valid {
         Some(path) => Some(hrm_model::train::corpus_tokens(path, &tokenizer, eot)?),

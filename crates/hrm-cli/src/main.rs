@@ -8,6 +8,7 @@ mod generate;
 mod hub;
 mod serve;
 mod train;
+mod worker;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -44,6 +45,8 @@ enum Command {
     /// The volunteer training network's aggregation server (see docs/hub-api.md).
     #[command(subcommand)]
     Hub(hub::HubCommand),
+    /// The volunteer client: train the network's model on this machine (see docs/worker.md).
+    Worker(Box<worker::WorkerArgs>),
     /// Benchmarks (not tests): model throughput next to transformers.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -100,6 +103,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => serve::run(*args),
+        // The worker sets up its own logging: to a file under the terminal interface.
+        Command::Worker(args) => worker::run(*args),
         command => {
             init_logging("info,sqlx=warn");
             match command {
@@ -110,7 +115,7 @@ fn main() -> ExitCode {
                 Command::Tokenizer(cmd) => train::run_tokenizer(cmd),
                 Command::Hub(cmd) => hub::run(cmd),
                 Command::Bench(cmd) => bench::run(cmd),
-                Command::Serve(_) => unreachable!("handled above"),
+                Command::Serve(_) | Command::Worker(_) => unreachable!("handled above"),
             }
         }
     };

@@ -159,11 +159,7 @@ pub fn run_train(args: TrainArgs) -> anyhow::Result<()> {
         args.micro_batch
     );
     let spec = ModelSpec::from_config_file(&args.config)?;
-    let tokenizer = tokenizers::Tokenizer::from_file(&args.tokenizer)
-        .map_err(|e| anyhow::anyhow!("loading {}: {e}", args.tokenizer.display()))?;
-    let eot = tokenizer
-        .token_to_id(END_OF_TEXT)
-        .with_context(|| format!("{} has no {END_OF_TEXT} token", args.tokenizer.display()))?;
+    let (tokenizer, eot) = corpus_tokenizer(&args.tokenizer)?;
     anyhow::ensure!(
         tokenizer.get_vocab_size(true) <= spec.vocab_size(),
         "the tokenizer has {} tokens but the model only {}",
@@ -362,4 +358,14 @@ fn restore(trainer: &mut Trainer, dir: &Path, args: &TrainArgs) -> anyhow::Resul
         trainer.optimizer.steps()
     );
     Ok(state.tokens_seen)
+}
+
+/// A tokenizer for corpus text and its end-of-text id, which separates documents.
+pub fn corpus_tokenizer(path: &Path) -> anyhow::Result<(tokenizers::Tokenizer, u32)> {
+    let tokenizer = tokenizers::Tokenizer::from_file(path)
+        .map_err(|e| anyhow::anyhow!("loading {}: {e}", path.display()))?;
+    let eot = tokenizer
+        .token_to_id(END_OF_TEXT)
+        .with_context(|| format!("{} has no {END_OF_TEXT} token", path.display()))?;
+    Ok((tokenizer, eot))
 }

@@ -13,12 +13,12 @@ use crate::versions;
 use crate::workers::Worker;
 use anyhow::{Context, Result};
 use bytes::Bytes;
-use flate2::Compression;
-use flate2::write::GzEncoder;
-use hrm_wire::{BatchAssignment, Sample, TrainingPlan};
+use hrm_wire::samples::{decode_samples, encode_samples};
+use hrm_wire::{BatchAssignment, TrainingPlan};
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
 use sha2::{Digest, Sha256};
 use sqlx::{AssertSqlSafe, Row};
-use std::io::Write;
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -33,30 +33,6 @@ const QUEUE_TRIES: usize = 16;
 /// Pending batch ids moved from the database into an empty queue at once.
 const REFILL: i64 = 1024;
 
-pub fn encode_samples(windows: &[Vec<u32>]) -> Result<Vec<u8>> {
-    let mut gz = GzEncoder::new(Vec::new(), Compression::default());
-    for window in windows {
-        serde_json::to_writer(
-            &mut gz,
-            &Sample {
-                input_ids: window.clone(),
-            },
-        )?;
-        gz.write_all(b"\n")?;
-    }
-    Ok(gz.finish()?)
-}
-
-pub fn decode_samples(bytes: &[u8]) -> Result<Vec<Vec<u32>>> {
-    use std::io::BufRead;
-    let reader = std::io::BufReader::new(flate2::read::GzDecoder::new(bytes));
-    reader
-        .lines()
-        .filter(|l| l.as_ref().map_or(true, |l| !l.trim().is_empty()))
-        .map(|line| Ok(serde_json::from_str::<Sample>(&line?)?.input_ids))
-        .collect()
-}
-
 /// What an ingest did.
 #[derive(Debug, Clone, PartialEq)]
 pub struct IngestReport {
@@ -67,8 +43,8 @@ pub struct IngestReport {
 }
 
 /// Cuts `tokens` into windows of `seq_len + 1` tokens (consecutive windows share one token, as
-/// inputs and shifted targets need) and stores them as batches of `batch_size`; a final short
-/// batch is kept with its own size. Batch ids come from the content, so ingesting the same
+/// inputs and shifted targets need), shuffles them, and stores them as batches of
+/// `batch_size`; a final short batch is kept with its own size. Batch ids come from the content, so ingesting the same
 /// corpus again adds nothing.
 pub async fn ingest(
     hub: &Hub,
@@ -87,10 +63,20 @@ pub async fn ingest(
         batch_size > 0 && seq_len > 0,
         "batch size and sequence length must be positive"
     );
-    let windows: Vec<Vec<u32>> = (0..tokens.len().saturating_sub(seq_len))
+    let mut windows: Vec<Vec<u32>> = (0..tokens.len().saturating_sub(seq_len))
         .step_by(seq_len)
         .map(|start| tokens[start..start + seq_len + 1].to_vec())
         .collect();
+    // Each batch samples the whole corpus, as a centralised run's random windows do; in corpus
+    // order every batch would hold one passage and the model would drift toward whatever book
+    // it saw last. The seed comes from the dataset name, so ingesting again gives the same
+    // batches.
+    let seed = u64::from_le_bytes(
+        Sha256::digest(dataset.as_bytes())[..8]
+            .try_into()
+            .expect("8 bytes"),
+    );
+    windows.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
     let chunks: Vec<&[Vec<u32>]> = windows.chunks(batch_size).collect();
     let mut seq: i64 = sqlx::query_scalar("SELECT COALESCE(MAX(seq), 0) FROM training_batches")
         .fetch_one(&hub.db.pool)

@@ -115,7 +115,8 @@ async fn model_versions(State(hub): State<Arc<Hub>>) -> ApiResult<Json<Vec<Model
     ))
 }
 
-/// A checkpoint, with its SHA-256 as a strong `ETag` so workers can cache it.
+/// A checkpoint, with its SHA-256 as a strong `ETag` so workers can cache it, and a single
+/// `Range: bytes=start-[end]` so that a cut-off download resumes.
 async fn download(
     State(hub): State<Arc<Hub>>,
     _worker: Worker,
@@ -135,21 +136,59 @@ async fn download(
         return Ok((StatusCode::NOT_MODIFIED, [(header::ETAG, etag_header)]).into_response());
     }
     let bytes = hub.blobs.get(&row.checkpoint_key).await?;
-    Ok((
-        [
-            (header::ETAG, etag_header),
+    let total = bytes.len() as u64;
+    let common = [
+        (header::ETAG, etag_header),
+        (
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/octet-stream"),
+        ),
+        (
+            header::CACHE_CONTROL,
+            HeaderValue::from_static("public, max-age=31536000, immutable"),
+        ),
+        (header::ACCEPT_RANGES, HeaderValue::from_static("bytes")),
+    ];
+    let range = headers
+        .get(header::RANGE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(parse_byte_range);
+    Ok(match range {
+        None => (common, bytes).into_response(),
+        Some((start, end)) => {
+            let end = end.unwrap_or(u64::MAX).min(total.saturating_sub(1));
+            if start >= total || start > end {
+                let unsatisfied = HeaderValue::from_str(&format!("bytes */{total}"))
+                    .map_err(anyhow::Error::from)?;
+                return Ok((
+                    StatusCode::RANGE_NOT_SATISFIABLE,
+                    [(header::CONTENT_RANGE, unsatisfied)],
+                )
+                    .into_response());
+            }
+            let content_range = HeaderValue::from_str(&format!("bytes {start}-{end}/{total}"))
+                .map_err(anyhow::Error::from)?;
             (
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("application/octet-stream"),
-            ),
-            (
-                header::CACHE_CONTROL,
-                HeaderValue::from_static("public, max-age=31536000, immutable"),
-            ),
-        ],
-        bytes,
-    )
-        .into_response())
+                StatusCode::PARTIAL_CONTENT,
+                common,
+                [(header::CONTENT_RANGE, content_range)],
+                bytes.slice(start as usize..=end as usize),
+            )
+                .into_response()
+        }
+    })
+}
+
+/// `bytes=start-` or `bytes=start-end`; other forms (suffixes, several ranges) are answered
+/// with the whole file, as HTTP allows.
+fn parse_byte_range(value: &str) -> Option<(u64, Option<u64>)> {
+    let (start, end) = value.strip_prefix("bytes=")?.trim().split_once('-')?;
+    let start = start.trim().parse().ok()?;
+    let end = match end.trim() {
+        "" => None,
+        end => Some(end.parse().ok()?),
+    };
+    Some((start, end))
 }
 
 async fn request_batch(

@@ -509,6 +509,9 @@ fn tail_sq_dist(a: &[f32], b: &[f32]) -> f64 {
         .sum()
 }
 
+/// The smallest robust sigma of the outlier screen, as a fraction of the median distance.
+pub const SIGMA_FLOOR: f64 = 0.1;
+
 /// Outlier screen run before every rule: d_i is the L2 distance of update i to the
 /// coordinate-wise median of all updates, and z_i = (d_i - median(d)) / sigma with the robust
 /// sigma = 1.4826 * MAD(d), floored at `SIGMA_FLOOR` * median(d) + 1e-12. The floor matters:
@@ -525,9 +528,6 @@ fn tail_sq_dist(a: &[f32], b: &[f32]) -> f64 {
 ///
 /// # Panics
 /// If the updates differ in length (shapes are validated when uploads are accepted).
-/// The smallest robust sigma of the outlier screen, as a fraction of the median distance.
-pub const SIGMA_FLOOR: f64 = 0.1;
-
 pub fn outliers(updates: &[Update<'_>], z_threshold: f64) -> Vec<bool> {
     let len = updates.first().map_or(0, |u| u.values.len());
     outliers_in(updates, z_threshold, thread_count(len, updates.len()))

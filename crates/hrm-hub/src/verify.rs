@@ -2,75 +2,32 @@
 //! random re-verification, which recomputes a sample of accepted updates exactly as the worker
 //! was told to (same version, batch, plan and seed) and compares them by cosine similarity.
 //! Agreement raises the worker's reputation; disagreement costs it and un-counts the batch.
+//! The recomputation is the worker's own code (`hrm_worker::compute`), so an honest upload and
+//! the hub's check of it cannot drift apart.
 
 use crate::Hub;
-use crate::batches::{decode_samples, validation_windows};
+use crate::batches::validation_windows;
 use crate::rules::cosine_similarity;
 use crate::trust::{REPUTATION_DISAGREED, REPUTATION_VERIFIED};
 use crate::versions::{self, LoadedVersion};
 use crate::workers::adjust_reputation;
 use anyhow::{Context, Result, anyhow};
-use candle_core::{Device, Tensor};
-use hrm_model::train::{LocalTraining, ModelSpec, build_with_weights, evaluate, local_update};
-use hrm_wire::TrainingPlan;
-use hrm_wire::update::{Schema, decode_update, read_checkpoint};
+use candle_core::Device;
+use hrm_model::train::{ModelSpec, build_with_weights, evaluate};
+use hrm_wire::samples::decode_samples;
+use hrm_wire::update::{decode_update, read_checkpoint};
+use hrm_worker::compute::{local_training, to_tensors, train_on_batch};
 use sqlx::Row;
-use std::collections::HashMap;
 use std::path::Path;
 
 /// Rows per forward pass in the hub's computations.
 const MICRO_BATCH: usize = 8;
-
-/// The flat parameters as named tensors.
-pub fn to_tensors(schema: &Schema, flat: &[f32]) -> Result<HashMap<String, Tensor>> {
-    let mut tensors = HashMap::new();
-    let mut offset = 0;
-    for spec in &schema.params {
-        let part = &flat[offset..offset + spec.numel()];
-        offset += spec.numel();
-        tensors.insert(
-            spec.name.clone(),
-            Tensor::from_slice(part, spec.shape.as_slice(), &Device::Cpu)?,
-        );
-    }
-    Ok(tensors)
-}
-
-/// Tensors back to one flat vector in schema order.
-pub fn to_flat(schema: &Schema, tensors: &HashMap<String, Tensor>) -> Result<Vec<f32>> {
-    let mut flat = Vec::with_capacity(schema.num_parameters());
-    for spec in &schema.params {
-        let t = tensors
-            .get(&spec.name)
-            .ok_or_else(|| anyhow!("no tensor {}", spec.name))?;
-        flat.extend(
-            t.flatten_all()?
-                .to_dtype(candle_core::DType::F32)?
-                .to_vec1::<f32>()?,
-        );
-    }
-    Ok(flat)
-}
 
 fn spec_of(config: &serde_json::Value) -> Result<ModelSpec> {
     Ok(ModelSpec::from_config_json(
         &config.to_string(),
         Path::new("model_versions.config"),
     )?)
-}
-
-/// The plan a worker receives, as the model crate's training takes it.
-pub fn local_training(plan: &TrainingPlan, micro_batch: usize) -> LocalTraining {
-    LocalTraining {
-        inner_steps: plan.inner_steps as usize,
-        learning_rate: plan.learning_rate,
-        weight_decay: plan.weight_decay,
-        beta1: plan.beta1,
-        beta2: plan.beta2,
-        grad_clip: plan.grad_clip,
-        seed: plan.seed,
-        micro_batch,
-    }
 }
 
 /// Mean cross-entropy of `model` on the first `--eval-windows` validation windows, or `None`
@@ -84,7 +41,7 @@ pub async fn validation_loss(hub: &Hub, model: &LoadedVersion) -> Result<Option<
     };
     windows.truncate(hub.policy.eval_windows);
     let spec = spec_of(&model.config)?;
-    let weights = to_tensors(&model.schema, &model.params)?;
+    let weights = to_tensors(&model.schema, &model.params, &Device::Cpu)?;
     let loss = tokio::task::spawn_blocking(move || -> Result<f64> {
         let (_vars, lm) = build_with_weights(&spec, &weights, &Device::Cpu)?;
         Ok(evaluate(lm.as_ref(), &windows, MICRO_BATCH)?)
@@ -138,9 +95,17 @@ async fn recompute(hub: &Hub, row: &sqlx::any::AnyRow) -> Result<f64> {
     let spec = spec_of(&version_row.config)?;
     let plan = local_training(&crate::batches::plan_for(hub, &batch_id), MICRO_BATCH);
     let recomputed = tokio::task::spawn_blocking(move || -> Result<Vec<f32>> {
-        let weights = to_tensors(&schema, &params)?;
-        let update = local_update(&spec, &weights, &samples, &plan, &Device::Cpu, |_, _| {})?;
-        to_flat(&schema, &update.delta)
+        let weights = to_tensors(&schema, &params, &Device::Cpu)?;
+        let update = train_on_batch(
+            &spec,
+            &schema,
+            &weights,
+            &samples,
+            &plan,
+            &Device::Cpu,
+            |_, _| {},
+        )?;
+        Ok(update.flat)
     })
     .await?
     .context("recomputing an update")?;

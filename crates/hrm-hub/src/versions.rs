@@ -12,7 +12,7 @@ use crate::db::{now_ms, to_datetime};
 use anyhow::{Context, Result, anyhow, bail};
 use bytes::Bytes;
 use hrm_wire::ModelVersionInfo;
-use hrm_wire::update::{Schema, read_checkpoint, write_checkpoint};
+use hrm_wire::update::{ParamSpec, Schema, read_checkpoint, write_checkpoint};
 use sha2::{Digest, Sha256};
 use sqlx::{AssertSqlSafe, Row};
 use std::collections::HashMap;
@@ -204,27 +204,73 @@ pub async fn next_name(hub: &Hub) -> Result<String> {
 /// Publishes the first version from a Hugging Face checkpoint directory (`config.json` and
 /// `model.safetensors`; any dtype, stored as f32). Refused once the hub has a version.
 pub async fn init(hub: &Hub, model_dir: &Path) -> Result<ModelVersionInfo> {
-    if let Some(v) = current_version(hub).await? {
-        bail!(
-            "this hub is already initialised (current version {v}); use `hrm hub rollback` to go back"
-        );
-    }
     let config_path = model_dir.join("config.json");
-    let mut config: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(&config_path)
-            .with_context(|| format!("reading {}", config_path.display()))?,
-    )
-    .with_context(|| format!("parsing {}", config_path.display()))?;
-    // Validates the architecture before anything is stored.
-    hrm_model::train::ModelSpec::from_config_file(&config_path)?;
-    config["dtype"] = "float32".into();
+    let config = read_config(&config_path)?;
     let weights_path = model_dir.join("model.safetensors");
     let bytes = std::fs::read(&weights_path)
         .with_context(|| format!("reading {}", weights_path.display()))?;
     let (schema, params) =
         read_checkpoint(&bytes).map_err(|e| anyhow!("{}: {e}", weights_path.display()))?;
+    publish_first(
+        hub,
+        config,
+        &schema,
+        &params,
+        model_dir.display().to_string(),
+    )
+    .await
+}
+
+/// Publishes the first version freshly initialised from an architecture `config.json`, with
+/// the same seeded initialisation as `hrm train --seed`, so a network run and a centralised
+/// run can start from the same weights.
+pub async fn init_fresh(hub: &Hub, config_path: &Path, seed: u64) -> Result<ModelVersionInfo> {
+    let config = read_config(config_path)?;
+    let spec = hrm_model::train::ModelSpec::from_config_file(config_path)?;
+    let varmap = candle_nn::VarMap::new();
+    spec.build(&varmap, candle_core::DType::F32, &candle_core::Device::Cpu)?;
+    spec.initialise(&varmap, seed)?;
+    let mut specs = Vec::new();
+    let mut tensors = HashMap::new();
+    for (name, var) in hrm_model::train::sorted_vars(&varmap) {
+        specs.push(ParamSpec {
+            name: name.clone(),
+            shape: var.dims().to_vec(),
+        });
+        tensors.insert(name, var.as_tensor().clone());
+    }
+    let schema = Schema::new(specs);
+    let params = hrm_worker::compute::to_flat(&schema, &tensors)?;
+    let source = format!("{} (initialised with seed {seed})", config_path.display());
+    publish_first(hub, config, &schema, &params, source).await
+}
+
+/// The architecture, checked before anything is stored.
+fn read_config(config_path: &Path) -> Result<serde_json::Value> {
+    let mut config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(config_path)
+            .with_context(|| format!("reading {}", config_path.display()))?,
+    )
+    .with_context(|| format!("parsing {}", config_path.display()))?;
+    hrm_model::train::ModelSpec::from_config_file(config_path)?;
+    config["dtype"] = "float32".into();
+    Ok(config)
+}
+
+async fn publish_first(
+    hub: &Hub,
+    config: serde_json::Value,
+    schema: &Schema,
+    params: &[f32],
+    source: String,
+) -> Result<ModelVersionInfo> {
+    if let Some(v) = current_version(hub).await? {
+        bail!(
+            "this hub is already initialised (current version {v}); use `hrm hub rollback` to go back"
+        );
+    }
     let version = "v0.1.0".to_string();
-    let file = Bytes::from(write_checkpoint(&schema, &params, HashMap::new()));
+    let file = Bytes::from(write_checkpoint(schema, params, HashMap::new()));
     let sha = sha256_hex(&file);
     hub.blobs.put(&checkpoint_key(&version), file).await?;
     let mut tx = hub.db.pool.begin().await?;
@@ -237,7 +283,7 @@ pub async fn init(hub: &Hub, model_dir: &Path) -> Result<ModelVersionInfo> {
     .bind(&sha)
     .bind(schema.num_parameters() as i64)
     .bind(config.to_string())
-    .bind(serde_json::json!({"source": model_dir.display().to_string()}).to_string())
+    .bind(serde_json::json!({"source": source}).to_string())
     .bind(now_ms())
     .execute(&mut *tx)
     .await?;

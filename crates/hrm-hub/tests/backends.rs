@@ -141,7 +141,7 @@ async fn the_network_runs_on_postgres_redis_and_s3() {
             batch.data_url
         );
         let samples =
-            hrm_hub::batches::decode_samples(&w.client.download(&batch.data_url).await.unwrap())
+            hrm_wire::samples::decode_samples(&w.client.download(&batch.data_url).await.unwrap())
                 .unwrap();
         assert_eq!(samples.len() as i64, batch.num_samples);
         contributions.push((update, batch.num_samples));

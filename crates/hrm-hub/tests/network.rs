@@ -124,7 +124,7 @@ async fn workers_train_and_the_hub_publishes_their_weighted_mean() {
         assert!(!receipt.duplicate);
         // The batch file holds num_samples windows of seq_len + 1 ids.
         let data = worker.client.download(&batch.data_url).await.unwrap();
-        let samples = hrm_hub::batches::decode_samples(&data).unwrap();
+        let samples = hrm_wire::samples::decode_samples(&data).unwrap();
         assert_eq!(samples.len() as i64, batch.num_samples);
         assert!(samples.iter().all(|s| s.len() == SEQ_LEN + 1));
         contributions.push((update, batch.num_samples));
@@ -723,7 +723,8 @@ async fn the_dashboard_and_public_routes_need_no_key() {
 #[tokio::test]
 async fn re_verification_recomputes_updates_and_moves_reputation() {
     use candle_core::Device;
-    use hrm_model::train::{ModelSpec, local_update};
+    use hrm_model::train::ModelSpec;
+    use hrm_worker::compute::{local_training, to_tensors, train_on_batch};
     let t = start(policy(&["--verify-fraction", "1"]), 4).await;
     let info = t.admin.current_model().await.unwrap();
     let spec = ModelSpec::from_config_json(
@@ -736,7 +737,7 @@ async fn re_verification_recomputes_updates_and_moves_reputation() {
     let honest_worker = SimWorker::join(&t.url, "trainer").await;
     let batch = honest_worker.lease().await.unwrap();
     let (schema, params) = honest_worker.checkpoint(&batch.model_version).await;
-    let samples = hrm_hub::batches::decode_samples(
+    let samples = hrm_wire::samples::decode_samples(
         &honest_worker
             .client
             .download(&batch.data_url)
@@ -744,10 +745,19 @@ async fn re_verification_recomputes_updates_and_moves_reputation() {
             .unwrap(),
     )
     .unwrap();
-    let weights = hrm_hub::verify::to_tensors(&schema, &params).unwrap();
-    let plan = hrm_hub::verify::local_training(&batch.plan, 2);
-    let trained = local_update(&spec, &weights, &samples, &plan, &Device::Cpu, |_, _| {}).unwrap();
-    let delta = hrm_hub::verify::to_flat(&schema, &trained.delta).unwrap();
+    let weights = to_tensors(&schema, &params, &Device::Cpu).unwrap();
+    let plan = local_training(&batch.plan, 2);
+    let delta = train_on_batch(
+        &spec,
+        &schema,
+        &weights,
+        &samples,
+        &plan,
+        &Device::Cpu,
+        |_, _| {},
+    )
+    .unwrap()
+    .flat;
     assert!(delta.iter().any(|v| *v != 0.0));
     let file = encode_update(&schema, &delta, &batch.model_version, Encoding::Dense);
     honest_worker
@@ -785,5 +795,57 @@ async fn re_verification_recomputes_updates_and_moves_reputation() {
         (doubted.reputation_score - 0.5).abs() < 1e-9,
         "{}",
         doubted.reputation_score
+    );
+}
+
+#[tokio::test]
+async fn ingest_spreads_every_window_once_across_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let (db, queue, blobs) = local_parts(dir.path()).await;
+    let hub = hrm_hub::Hub::from_parts(db, queue, blobs, policy(&[]), None);
+    // Token i is i, so a window's first token is its position in the corpus.
+    let corpus: Vec<u32> = (0..(16 * BATCH_SIZE * SEQ_LEN + 1) as u32).collect();
+    let ingest = || {
+        hrm_hub::batches::ingest(
+            &hub,
+            "positions",
+            &corpus,
+            None,
+            BATCH_SIZE,
+            SEQ_LEN,
+            |_, _| {},
+        )
+    };
+    let first = ingest().await.unwrap();
+    assert_eq!(first.new_batches, 16);
+    let keys: Vec<String> =
+        sqlx::query_scalar("SELECT data_url FROM training_batches ORDER BY seq")
+            .fetch_all(&hub.db.pool)
+            .await
+            .unwrap();
+    let mut seen: Vec<u32> = Vec::new();
+    for key in &keys {
+        let starts: Vec<u32> =
+            hrm_wire::samples::decode_samples(&hub.blobs.get(key).await.unwrap())
+                .unwrap()
+                .iter()
+                .map(|w| w[0])
+                .collect();
+        seen.extend(&starts);
+        let spread = starts.iter().max().unwrap() - starts.iter().min().unwrap();
+        assert!(
+            spread as usize > BATCH_SIZE * SEQ_LEN,
+            "one passage per batch: {starts:?}"
+        );
+    }
+    seen.sort();
+    let every: Vec<u32> = (0..16 * BATCH_SIZE as u32)
+        .map(|i| i * SEQ_LEN as u32)
+        .collect();
+    assert_eq!(seen, every, "every window exactly once");
+    assert_eq!(
+        ingest().await.unwrap().new_batches,
+        0,
+        "the same batches again"
     );
 }

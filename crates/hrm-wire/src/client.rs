@@ -17,6 +17,8 @@ pub enum ClientError {
         status: StatusCode,
         code: String,
         message: String,
+        /// The `Retry-After` header in seconds, when the hub sent one (rate limits, no batch).
+        retry_after: Option<u64>,
     },
 }
 
@@ -32,6 +34,14 @@ impl ClientError {
     pub fn status(&self) -> Option<StatusCode> {
         match self {
             ClientError::Api { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+
+    /// How long the hub asked the client to wait before trying again.
+    pub fn retry_after(&self) -> Option<std::time::Duration> {
+        match self {
+            ClientError::Api { retry_after, .. } => retry_after.map(std::time::Duration::from_secs),
             _ => None,
         }
     }
@@ -121,12 +131,25 @@ impl HubClient {
     /// Downloads a file the hub named: a checkpoint, or a batch (the hub's route or a
     /// presigned URL, which gets no key).
     pub async fn download(&self, url: &str) -> Result<Bytes, ClientError> {
-        let builder = if url.starts_with('/') {
+        Ok(self.download_from(url, 0).await?.bytes().await?)
+    }
+
+    /// Starts a download at byte `offset` (a `Range` request when it is not 0). The answer is
+    /// `206 Partial Content` when the server resumed, `200` when it sends the whole file.
+    pub async fn download_from(
+        &self,
+        url: &str,
+        offset: u64,
+    ) -> Result<reqwest::Response, ClientError> {
+        let mut builder = if url.starts_with('/') {
             self.request(Method::GET, url)?
         } else {
             self.http.get(self.resolve(url)?)
         };
-        Ok(checked(builder.send().await?).await?.bytes().await?)
+        if offset > 0 {
+            builder = builder.header(reqwest::header::RANGE, format!("bytes={offset}-"));
+        }
+        checked(builder.send().await?).await
     }
 
     /// Leases the next batch; `None` when the hub has none to give (`204`).
@@ -225,6 +248,11 @@ async fn checked(response: reqwest::Response) -> Result<reqwest::Response, Clien
     if status.is_success() {
         return Ok(response);
     }
+    let retry_after = response
+        .headers()
+        .get(reqwest::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok());
     let text = response.text().await.unwrap_or_default();
     let (code, message) = match serde_json::from_str::<ErrorBody>(&text) {
         Ok(body) => (body.error.code, body.error.message),
@@ -234,5 +262,6 @@ async fn checked(response: reqwest::Response) -> Result<reqwest::Response, Clien
         status,
         code,
         message,
+        retry_after,
     })
 }

@@ -1,10 +1,12 @@
 //! The wire protocol of the training network, shared by `hrm-hub` and `hrm-worker`: the request
 //! and response bodies of the hub's `/api/v1` REST and WebSocket interface ([`messages`]), the
 //! safetensors checkpoint and update files with the checks the hub applies to uploads
-//! ([`update`]), and a small typed HTTP client ([`client`]).
+//! ([`update`]), the gzip JSON-lines batch files ([`samples`]), and a small typed HTTP client
+//! ([`client`]).
 
 pub mod client;
 pub mod messages;
+pub mod samples;
 pub mod update;
 
 pub use client::{ClientError, HubClient};

@@ -85,7 +85,8 @@ impl Schema {
         self.params.iter().map(ParamSpec::numel).sum()
     }
 
-    fn offsets(&self) -> impl Iterator<Item = (&ParamSpec, std::ops::Range<usize>)> {
+    /// Each parameter with its range in the flat vector.
+    pub fn offsets(&self) -> impl Iterator<Item = (&ParamSpec, std::ops::Range<usize>)> {
         let mut start = 0;
         self.params.iter().map(move |p| {
             let range = start..start + p.numel();

@@ -1,7 +1,9 @@
 //! `hrm bench`: measurements, kept apart from the test suite.
 
+pub mod ab;
 pub mod hub;
 pub mod model;
+pub mod network;
 pub mod train;
 
 use std::path::Path;
@@ -13,6 +15,9 @@ use serde::de::DeserializeOwned;
 
 #[derive(Subcommand)]
 pub enum BenchCommand {
+    /// One workload against several servers (hrm, OpenAI-compatible, TGI): latency, TTFT,
+    /// throughput, errors and agreement, as a Markdown report.
+    Ab(Box<ab::AbArgs>),
     /// Prefill and decode tokens/s and peak RSS at several batch sizes, next to transformers.
     Model(model::ModelBenchArgs),
     /// One measurement in a fresh process (used by `hrm bench model`, so that peak RSS is per run).
@@ -27,16 +32,23 @@ pub enum BenchCommand {
     HubLoad(hub::LoadArgs),
     /// Time of each aggregation rule next to the memory-bandwidth bound of reading the updates.
     Aggregate(hub::AggregateArgs),
+    /// A worker that poisons its updates (scaled or random), for robustness runs.
+    HostileWorker(network::HostileArgs),
+    /// Validation loss of a checkpoint on evenly spaced windows, as `hrm train` scores it.
+    Perplexity(network::PerplexityArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
+        BenchCommand::Ab(args) => ab::run(*args),
         BenchCommand::Model(args) => model::run(args),
         BenchCommand::ModelRun(args) => model::run_one(args),
         BenchCommand::Train(args) => train::run(args),
         BenchCommand::TrainRun(args) => train::run_one(args),
         BenchCommand::HubLoad(args) => hub::run_load(args),
         BenchCommand::Aggregate(args) => hub::run_aggregate(args),
+        BenchCommand::HostileWorker(args) => network::run_hostile(args),
+        BenchCommand::Perplexity(args) => network::run_perplexity(args),
     }
 }
 
