@@ -9,12 +9,14 @@ is the same initialisation as `hrm train --seed 0`. It reports, as one JSON obje
   * throughput   tokens/s of one `hrm worker` (its "trained batch" lines) next to `hrm train`
                  on the same model and step shape (rows per optimiser step, sequence length)
   * parity       validation loss after the same token budget: centralised `hrm train`, and the
-                 network with 3 workers (rounds of at least 3 updates, weighted mean, plain
-                 outer step; inner AdamW at 2e-3), top-k compression off and on; upload bytes
+                 network with 3 workers (aggregation when 3 updates are pending or every
+                 2 s, weighted mean, plain outer step; inner AdamW at 2e-3), top-k
+                 compression off and on; upload bytes
   * hostile      3 honest workers and 1 hostile one (`hrm bench hostile-worker`, updates
-                 scaled by -10) in rounds of at least 3 updates, under plain FedAvg without the
-                 outlier screen, FedAvg with it, Krum and the coordinate-wise median, next to
-                 the honest workers alone in the same rounds
+                 scaled by -10) in rounds of 3 updates (the 20 s interval only flushes the
+                 last ones), under plain FedAvg without the outlier screen, FedAvg with it,
+                 Krum and the coordinate-wise median, next to the honest workers alone in
+                 the same rounds
 Losses are scored alike by `hrm bench perplexity` on the same evenly spaced validation windows.
 Uses only the Python standard library; it is a benchmark, not a test, and is not run in CI.
 """
@@ -62,10 +64,11 @@ class Network:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.hub = subprocess.Popen(
             [args.hrm, "hub", "serve", "--addr", self.url[7:], "--data-dir", self.data,
-             "--aggregation-interval", "2", "--eval-windows", "0", "--verify-fraction", "0",
+             "--eval-windows", "0", "--verify-fraction", "0",
              "--inner-steps", str(args.inner_steps), "--inner-lr", str(args.inner_lr)]
             # Unless the run says otherwise, every update is applied as it arrives.
             + ([] if "--min-gradients-for-update" in hub_flags else ["--min-gradients-for-update", "1"])
+            + ([] if "--aggregation-interval" in hub_flags else ["--aggregation-interval", "2"])
             + hub_flags,
             stderr=open(os.path.join(work, "hub.log"), "w"), env={**os.environ, "HRM_HUB_ADMIN_KEY": ADMIN_KEY})
         for _ in range(600):
@@ -91,7 +94,8 @@ class Network:
         log = os.path.join(self.work, "hostile.log")
         proc = subprocess.Popen([self.args.hrm, "bench", "hostile-worker", "--url", self.url,
                                  "--mode", "scale", "--factor", "-10"],
-                                stdout=open(log, "w"), stderr=subprocess.STDOUT)
+                                stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                env={**os.environ, "RAYON_NUM_THREADS": str(self.args.threads)})
         self.workers.append((proc, log))
 
     def wait_done(self):
@@ -240,7 +244,8 @@ def main():
     if "hostile" in only:
         # Rounds of at least 3 updates, so that the screen and the robust rules have something
         # to compare; the honest run with the same rounds is the reference.
-        rounds = ["--min-gradients-for-update", "3"]
+        # The interval only flushes what is left at the end; rounds are triggered by the count.
+        rounds = ["--min-gradients-for-update", "3", "--aggregation-interval", "20"]
         report["hostile"] = {
             "honest_reference": network_run(args, "h-none", rounds),
             "fedavg_no_screen": network_run(args, "h-mean-noscreen", rounds + ["--outlier-sigmas", "1e9"], hostile=True),

@@ -1291,6 +1291,24 @@ mod tests {
             })
             .sum();
         assert_eq!(flagged, 0, "honest updates flagged in {rounds} rounds");
+        // Small rounds of honest updates whose sizes differ (batches of different difficulty,
+        // computed on different versions) keep every update; the -10 scaled one is still out.
+        let direction = rng.vec(4000);
+        let mut round: Vec<Vec<f32>> = [1.0f32, 1.6, 0.7]
+            .iter()
+            .map(|scale| {
+                direction
+                    .iter()
+                    .map(|d| scale * d + 0.3 * rng.normal())
+                    .collect()
+            })
+            .collect();
+        assert_eq!(outliers(&updates(&round, &[1; 3]), 3.0), vec![false; 3]);
+        round.push(direction.iter().map(|d| -10.0 * d).collect());
+        assert_eq!(
+            outliers(&updates(&round, &[1; 4]), 3.0),
+            [false, false, false, true]
+        );
         // Too few to tell who is odd.
         let two = vec![vec![0.0f32; 10], vec![1e6f32; 10]];
         assert_eq!(outliers(&updates(&two, &[1; 2]), 3.0), vec![false; 2]);

@@ -564,6 +564,9 @@ async fn rate_limits_and_reputation_floor() {
         code(&e),
         (Some(StatusCode::TOO_MANY_REQUESTS), Some("rate_limited"))
     );
+    // Retry-After says when the next token comes: about 1 / 0.01 per second.
+    let wait = e.retry_after().expect("a Retry-After header").as_secs();
+    assert!((90..=100).contains(&wait), "Retry-After {wait}");
     // Another worker is not affected.
     let other = SimWorker::join(&t.url, "calm").await;
     other.client.login().await.unwrap();
