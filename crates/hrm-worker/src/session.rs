@@ -524,9 +524,12 @@ impl Worker {
         loop {
             match call().await {
                 Err(e) if attempt < attempts && e.transient() => {
-                    // The hub's Retry-After (its rate limit) wins over our own backoff.
+                    // The hub's Retry-After (its rate limit) wins over our own backoff, up to
+                    // a cap, so that a confused hub cannot park the worker for days.
                     let backoff = Duration::from_millis(500 * u64::from(attempt));
-                    let pause = e.retry_after().map_or(backoff, |asked| asked.max(backoff));
+                    let pause = e
+                        .retry_after()
+                        .map_or(backoff, |asked| asked.min(MAX_RETRY_AFTER).max(backoff));
                     self.status.warn(format!(
                         "{what} failed ({e:#}); try {} of {attempts} in {:.1}s",
                         attempt + 1,
@@ -540,6 +543,9 @@ impl Worker {
         }
     }
 }
+
+/// The longest `Retry-After` the worker honours.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(300);
 
 /// Errors another try may cure: the network, the hub's own failures, its rate limit.
 trait Retryable {
