@@ -7,28 +7,14 @@ use axum::Json;
 use axum::response::IntoResponse;
 use serde_json::{Value, json};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use support::{Process, free_port};
 
-struct Server(Child);
+mod support;
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-async fn serve_fixture() -> (Server, String) {
+async fn serve_fixture() -> (Process, String) {
     let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hrm-text");
     let port = free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_hrm"))
@@ -38,7 +24,7 @@ async fn serve_fixture() -> (Server, String) {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let server = Server(child);
+    let server = Process(child);
     let url = format!("http://127.0.0.1:{port}");
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {

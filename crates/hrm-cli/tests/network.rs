@@ -11,6 +11,9 @@ use rand::{Rng, SeedableRng};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
+use support::{Process, free_port};
+
+mod support;
 
 fn fixture() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hrm-text-prefix")
@@ -76,24 +79,6 @@ fn corpus(paragraphs: usize, seed: u64) -> String {
             format!("{}\n\n", sentences.join(" "))
         })
         .collect()
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A child process killed when the test ends, however it ends.
-struct Process(Child);
-
-impl Drop for Process {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 fn signal(child: &Child, name: &str) {

@@ -16,7 +16,7 @@ use candle_core::Device;
 use hrm_model::train::{ModelSpec, build_with_weights, evaluate};
 use hrm_wire::samples::decode_samples;
 use hrm_wire::update::{decode_update, read_checkpoint};
-use hrm_worker::compute::{local_training, to_tensors, train_on_batch};
+use hrm_worker::compute::{local_training, to_tensors, update_on_cpu};
 use sqlx::Row;
 use std::path::Path;
 
@@ -95,17 +95,7 @@ async fn recompute(hub: &Hub, row: &sqlx::any::AnyRow) -> Result<f64> {
     let spec = spec_of(&version_row.config)?;
     let plan = local_training(&crate::batches::plan_for(hub, &batch_id), MICRO_BATCH);
     let recomputed = tokio::task::spawn_blocking(move || -> Result<Vec<f32>> {
-        let weights = to_tensors(&schema, &params, &Device::Cpu)?;
-        let update = train_on_batch(
-            &spec,
-            &schema,
-            &weights,
-            &samples,
-            &plan,
-            &Device::Cpu,
-            |_, _| {},
-        )?;
-        Ok(update.flat)
+        Ok(update_on_cpu(&spec, &schema, &params, &samples, &plan)?.flat)
     })
     .await?
     .context("recomputing an update")?;

@@ -725,9 +725,8 @@ async fn the_dashboard_and_public_routes_need_no_key() {
 
 #[tokio::test]
 async fn re_verification_recomputes_updates_and_moves_reputation() {
-    use candle_core::Device;
     use hrm_model::train::ModelSpec;
-    use hrm_worker::compute::{local_training, to_tensors, train_on_batch};
+    use hrm_worker::compute::{local_training, update_on_cpu};
     let t = start(policy(&["--verify-fraction", "1"]), 4).await;
     let info = t.admin.current_model().await.unwrap();
     let spec = ModelSpec::from_config_json(
@@ -748,16 +747,12 @@ async fn re_verification_recomputes_updates_and_moves_reputation() {
             .unwrap(),
     )
     .unwrap();
-    let weights = to_tensors(&schema, &params, &Device::Cpu).unwrap();
-    let plan = local_training(&batch.plan, 2);
-    let delta = train_on_batch(
+    let delta = update_on_cpu(
         &spec,
         &schema,
-        &weights,
+        &params,
         &samples,
-        &plan,
-        &Device::Cpu,
-        |_, _| {},
+        &local_training(&batch.plan, 2),
     )
     .unwrap()
     .flat;

@@ -85,3 +85,24 @@ pub fn train_on_batch(
         tokens: update.tokens,
     })
 }
+
+/// [`train_on_batch`] from flat weights on the CPU, without progress: the recomputation the hub
+/// re-verifies with, and what test and benchmark clients send.
+pub fn update_on_cpu(
+    spec: &ModelSpec,
+    schema: &Schema,
+    flat: &[f32],
+    samples: &[Vec<u32>],
+    plan: &LocalTraining,
+) -> Result<TrainedUpdate> {
+    let weights = to_tensors(schema, flat, &Device::Cpu)?;
+    train_on_batch(
+        spec,
+        schema,
+        &weights,
+        samples,
+        plan,
+        &Device::Cpu,
+        |_, _| {},
+    )
+}

@@ -11,7 +11,7 @@ use hrm_model::train::{
 use hrm_wire::samples::decode_samples;
 use hrm_wire::update::{Encoding, Schema, encode_update, read_checkpoint};
 use hrm_wire::{GradientUpload, Hardware, HubClient};
-use hrm_worker::compute::{local_training, to_tensors, train_on_batch};
+use hrm_worker::compute::{local_training, update_on_cpu};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 use std::path::PathBuf;
@@ -79,16 +79,12 @@ pub fn run_hostile(args: HostileArgs) -> Result<()> {
             }
             let (version, spec, schema, params) = loaded.as_ref().expect("loaded above");
             let samples = decode_samples(&client.download(&batch.data_url).await?)?;
-            let weights = to_tensors(schema, params, &Device::Cpu)?;
-            let plan = local_training(&batch.plan, 8);
-            let honest = train_on_batch(
+            let honest = update_on_cpu(
                 spec,
                 schema,
-                &weights,
+                params,
                 &samples,
-                &plan,
-                &Device::Cpu,
-                |_, _| {},
+                &local_training(&batch.plan, 8),
             )?;
             let poisoned: Vec<f32> = match args.mode {
                 Poison::Scale => honest.flat.iter().map(|v| v * args.factor).collect(),
