@@ -10,11 +10,12 @@ is the same initialisation as `hrm train --seed 0`. It reports, as one JSON obje
                  on the same model and step shape (rows per optimiser step, sequence length)
   * parity       validation loss after the same token budget: centralised `hrm train`, and the
                  network with 3 workers (aggregation when 3 updates are pending or every
-                 2 s, weighted mean, plain outer step; inner AdamW at 2e-3), top-k
-                 compression off and on; upload bytes
+                 2 s, weighted mean, plain outer step decayed by `--outer-schedule cosine`;
+                 inner AdamW at 2e-3 with 3 warmup steps of 8), top-k compression off and
+                 on; upload bytes
   * hostile      3 honest workers and 1 hostile one (`hrm bench hostile-worker`, updates
                  scaled by -10) in rounds of 3 updates (the 20 s interval only flushes the
-                 last ones), under plain FedAvg without the outlier screen, FedAvg with it,
+                 last ones), the same inner plan and outer schedule, under plain FedAvg without the outlier screen, FedAvg with it,
                  Krum and the coordinate-wise median, next to the honest workers alone in
                  the same rounds
 Losses are scored alike by `hrm bench perplexity` on the same evenly spaced validation windows.
@@ -65,7 +66,8 @@ class Network:
         self.hub = subprocess.Popen(
             [args.hrm, "hub", "serve", "--addr", self.url[7:], "--data-dir", self.data,
              "--eval-windows", "0", "--verify-fraction", "0",
-             "--inner-steps", str(args.inner_steps), "--inner-lr", str(args.inner_lr)]
+             "--inner-steps", str(args.inner_steps), "--inner-lr", str(args.inner_lr),
+             "--inner-warmup-steps", str(args.inner_warmup)]
             # Unless the run says otherwise, every update is applied as it arrives.
             + ([] if "--min-gradients-for-update" in hub_flags else ["--min-gradients-for-update", "1"])
             + ([] if "--aggregation-interval" in hub_flags else ["--aggregation-interval", "2"])
@@ -195,13 +197,16 @@ def main():
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--inner-steps", type=int, default=8)
     p.add_argument("--inner-lr", type=float, default=2e-3)
+    p.add_argument("--inner-warmup", type=int, default=3, help="inner steps of lr warmup per batch")
     p.add_argument("--central-lr", type=float, default=3e-3)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="CPU threads per process")
     p.add_argument("--eval-windows", type=int, default=64)
     p.add_argument("--only", default="throughput,parity,hostile")
-    p.add_argument("--hub-flags", default="--min-gradients-for-update 3", help="extra `hrm hub serve` flags for the parity runs")
-    p.add_argument("--skip", default="", help="central,topk: leave those runs out (tuning the network side)")
+    p.add_argument("--hub-flags", default="--min-gradients-for-update 3 --outer-schedule cosine", help="extra `hrm hub serve` flags for the parity runs")
+    p.add_argument("--hostile-runs", default="", help="comma-separated subset of honest_reference,"
+                   "fedavg_no_screen,fedavg_screen,krum,median (default: all)")
+    p.add_argument("--skip", default="", help="central,dense,topk: leave those parity runs out")
     args = p.parse_args()
     args.rows_per_step = args.batch_size // args.inner_steps
 
@@ -236,7 +241,7 @@ def main():
         report["budget_tokens"] = batches * args.batch_size * args.seq_len
         report["parity"] = {
             "central": central_run(args, steps) if "central" not in args.skip else None,
-            "network_dense": network_run(args, "dense", args.hub_flags.split()),
+            "network_dense": network_run(args, "dense", args.hub_flags.split()) if "dense" not in args.skip else None,
             "network_topk": network_run(args, "topk", args.hub_flags.split(), compress=True) if "topk" not in args.skip else None,
         }
         print("central", json.dumps(report["parity"]["central"]), flush=True)
@@ -245,14 +250,20 @@ def main():
         # Rounds of at least 3 updates, so that the screen and the robust rules have something
         # to compare; the honest run with the same rounds is the reference.
         # The interval only flushes what is left at the end; rounds are triggered by the count.
-        rounds = ["--min-gradients-for-update", "3", "--aggregation-interval", "20"]
-        report["hostile"] = {
-            "honest_reference": network_run(args, "h-none", rounds),
-            "fedavg_no_screen": network_run(args, "h-mean-noscreen", rounds + ["--outlier-sigmas", "1e9"], hostile=True),
-            "fedavg_screen": network_run(args, "h-mean", rounds, hostile=True),
-            "krum": network_run(args, "h-krum", rounds + ["--rule", "krum"], hostile=True),
-            "median": network_run(args, "h-median", rounds + ["--rule", "median"], hostile=True),
+        # Short leases: a hostile worker the hub refuses walks away with a batch leased, and the
+        # run ends only when that lease expires and an honest worker takes the batch over.
+        rounds = ["--min-gradients-for-update", "3", "--aggregation-interval", "20", "--outer-schedule", "cosine",
+                  "--lease-seconds", "60"]
+        runs = {
+            "honest_reference": ("h-none", [], False),
+            "fedavg_no_screen": ("h-mean-noscreen", ["--outlier-sigmas", "1e9"], True),
+            "fedavg_screen": ("h-mean", [], True),
+            "krum": ("h-krum", ["--rule", "krum"], True),
+            "median": ("h-median", ["--rule", "median"], True),
         }
+        wanted = args.hostile_runs.split(",") if args.hostile_runs else list(runs)
+        report["hostile"] = {key: network_run(args, name, rounds + flags, hostile=hostile)
+                             for key, (name, flags, hostile) in runs.items() if key in wanted}
     print(json.dumps(report, indent=2))
 
 

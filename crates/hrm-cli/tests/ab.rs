@@ -172,7 +172,17 @@ async fn ab_measures_hrm_openai_and_tgi_targets_and_compares_them() {
         }
     }
     let report = std::fs::read_to_string(out.join("report.md")).unwrap();
-    for row in ["| hrm |", "| hrm-openai |", "| tgi |", "hrm vs hrm-openai"] {
+    for row in [
+        "| hrm |",
+        "| hrm-openai |",
+        "| tgi |",
+        "hrm vs hrm-openai",
+        "![latency](latency.png)",
+    ] {
         assert!(report.contains(row), "{row} missing from\n{report}");
+    }
+    for chart in ["latency.png", "throughput.png"] {
+        let bytes = std::fs::read(out.join(chart)).unwrap();
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{chart} is not a PNG");
     }
 }

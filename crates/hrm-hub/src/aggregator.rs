@@ -10,7 +10,7 @@
 use crate::Hub;
 use crate::db::now_ms;
 use crate::queue::UPDATES;
-use crate::rules::{self, OuterState, RuleError, Update};
+use crate::rules::{self, OuterSchedule, OuterState, RuleError, Update};
 use crate::trust::{REPUTATION_AGGREGATED, REPUTATION_OUTLIER};
 use crate::versions::{self, LoadedVersion, VersionRow, checkpoint_key, optimizer_key, sha256_hex};
 use crate::workers::adjust_reputation;
@@ -222,8 +222,13 @@ async fn run_locked(hub: &Hub) -> Result<AggregateOutcome> {
 
     let mut params = model.params.clone();
     let mut state = load_outer_state(hub, &head).await?;
+    let lr_factor = match hub.policy.outer_schedule {
+        OuterSchedule::Constant => 1.0,
+        schedule => schedule.factor(crate::batches::completed_fraction(hub).await?),
+    };
     hub.policy
         .outer
+        .scaled(lr_factor)
         .apply(&mut params, &combined.values, &mut state)
         .map_err(|e| anyhow!("outer optimiser: {e}"))?;
     let version = versions::next_name(hub).await?;
@@ -263,6 +268,7 @@ async fn run_locked(hub: &Hub) -> Result<AggregateOutcome> {
         "stale": verdicts.stale.len(),
         "rule": format!("{:?}", hub.policy.rule),
         "outer": hub.policy.outer.name(),
+        "outer_lr_factor": lr_factor,
         "train_loss": mean_loss(hub, &pending, &verdicts.aggregated).await?,
     });
     if let Some(valid_loss) = crate::verify::validation_loss(hub, &loaded).await? {

@@ -295,6 +295,22 @@ pub async fn data(hub: &Hub, worker: &Worker, batch_id: Uuid) -> ApiResult<Bytes
 
 /// Returns expired leases to the queue (or fails batches out of attempts). Safe to run on
 /// every replica at once: each row moves once.
+/// The fraction of all ingested batches that are completed (0 when none were ingested).
+pub async fn completed_fraction(hub: &Hub) -> Result<f64> {
+    let row = sqlx::query(
+        "SELECT COUNT(*) AS total, CAST(COALESCE(SUM(CASE WHEN status = 'completed' THEN 1 ELSE 0 END), 0) AS BIGINT) AS done \
+         FROM training_batches",
+    )
+    .fetch_one(&hub.db.pool)
+    .await?;
+    let (total, done): (i64, i64) = (row.try_get("total")?, row.try_get("done")?);
+    Ok(if total > 0 {
+        done as f64 / total as f64
+    } else {
+        0.0
+    })
+}
+
 pub async fn reap_expired_leases(hub: &Hub) -> Result<usize> {
     let rows = sqlx::query(
         "UPDATE training_batches SET \

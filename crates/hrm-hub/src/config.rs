@@ -2,7 +2,7 @@
 //! specification's `DATABASE_URL`, `REDIS_URL`, `S3_BUCKET`, `AGGREGATION_INTERVAL` and
 //! `MIN_GRADIENTS_FOR_UPDATE`, and `HRM_HUB_*` for the rest).
 
-use crate::rules::{OuterOptimizer, Rule};
+use crate::rules::{OuterOptimizer, OuterSchedule, Rule};
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 use hrm_wire::TrainingPlan;
@@ -51,6 +51,12 @@ pub enum RuleName {
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq)]
+pub enum OuterScheduleName {
+    Constant,
+    Cosine,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq)]
 pub enum OuterName {
     Plain,
     Fedadam,
@@ -87,6 +93,15 @@ pub struct PolicyArgs {
     /// Outer learning rate (default: 1 for plain, 0.7 for nesterov, 0.003 for fedadam).
     #[arg(long, env = "HRM_HUB_OUTER_LR")]
     pub outer_lr: Option<f32>,
+    /// How the outer learning rate changes over the ingested batches: constant, or cosine decay
+    /// to 0.1 of it as the batches complete.
+    #[arg(
+        long,
+        env = "HRM_HUB_OUTER_SCHEDULE",
+        value_enum,
+        default_value = "constant"
+    )]
+    pub outer_schedule: OuterScheduleName,
     /// Momentum of the Nesterov outer optimiser.
     #[arg(long, env = "HRM_HUB_OUTER_MOMENTUM", default_value_t = 0.9)]
     pub outer_momentum: f32,
@@ -126,6 +141,9 @@ pub struct PolicyArgs {
     /// Inner learning rate.
     #[arg(long, env = "HRM_HUB_INNER_LR", default_value_t = 1e-3)]
     pub inner_lr: f64,
+    /// Inner steps over which the inner learning rate ramps up linearly, on every batch.
+    #[arg(long, env = "HRM_HUB_INNER_WARMUP_STEPS", default_value_t = 0)]
+    pub inner_warmup_steps: u32,
     /// Seconds between WebSocket heartbeats; a client silent for three of them is dropped.
     #[arg(long, env = "HRM_HUB_HEARTBEAT_SECONDS", default_value_t = 15)]
     pub heartbeat_seconds: u64,
@@ -139,6 +157,7 @@ pub struct Policy {
     pub max_updates: usize,
     pub rule: Rule,
     pub outer: OuterOptimizer,
+    pub outer_schedule: OuterSchedule,
     pub outlier_sigmas: f64,
     pub max_staleness: i64,
     pub lease: Duration,
@@ -175,6 +194,9 @@ impl PolicyArgs {
                 "--verify-fraction must be in [0, 1], --rate-burst >= 1 and --rate-per-second > 0"
             );
         }
+        if self.inner_warmup_steps > self.inner_steps {
+            bail!("--inner-warmup-steps must not exceed --inner-steps");
+        }
         let rule = match self.rule {
             RuleName::Mean => Rule::Mean,
             RuleName::Krum => Rule::Krum {
@@ -210,6 +232,10 @@ impl PolicyArgs {
             max_updates: self.max_updates_per_aggregation,
             rule,
             outer,
+            outer_schedule: match self.outer_schedule {
+                OuterScheduleName::Constant => OuterSchedule::Constant,
+                OuterScheduleName::Cosine => OuterSchedule::Cosine { min_ratio: 0.1 },
+            },
             outlier_sigmas: self.outlier_sigmas,
             max_staleness: self.max_staleness,
             lease: Duration::from_secs(self.lease_seconds),
@@ -223,6 +249,7 @@ impl PolicyArgs {
             plan: TrainingPlan {
                 inner_steps: self.inner_steps.max(1),
                 learning_rate: self.inner_lr,
+                warmup_steps: self.inner_warmup_steps,
                 weight_decay: 0.1,
                 beta1: 0.9,
                 beta2: 0.95,

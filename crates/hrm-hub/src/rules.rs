@@ -509,17 +509,27 @@ fn tail_sq_dist(a: &[f32], b: &[f32]) -> f64 {
         .sum()
 }
 
-/// The smallest robust sigma of the outlier screen, as a fraction of the median distance.
+/// The smallest robust sigma of the outlier screen, as a fraction of the median distance, in
+/// rounds of at least [`SMALL_ROUND`] updates.
 pub const SIGMA_FLOOR: f64 = 0.1;
+
+/// Below this many updates the sigma floor grows as `SIGMA_FLOOR * SMALL_ROUND / n`.
+pub const SMALL_ROUND: usize = 10;
 
 /// Outlier screen run before every rule: d_i is the L2 distance of update i to the
 /// coordinate-wise median of all updates, and z_i = (d_i - median(d)) / sigma with the robust
-/// sigma = 1.4826 * MAD(d), floored at `SIGMA_FLOOR` * median(d) + 1e-12. The floor matters:
-/// distances of honest high-dimensional updates concentrate tightly, so their MAD alone is tiny
-/// and would flag an honest update in about one round in eight; with it, nothing within
-/// 3 * 10% = 30% of the typical distance is ever rejected, while a poisoned update (scaled,
-/// noise) lies many times further. Returns true for updates with z_i > `z_threshold` (the spec's 3 standard
-/// deviations); with fewer than 3 updates nothing is rejected.
+/// sigma = 1.4826 * MAD(d), floored at [`sigma_floor`]`(n)` * median(d) + 1e-12. Returns true for
+/// updates with z_i > `z_threshold` (the spec's 3 standard deviations); with fewer than 3 updates
+/// nothing is rejected.
+///
+/// The floor matters: distances of honest high-dimensional updates concentrate tightly, so their
+/// MAD alone is tiny and would flag an honest update in about one round in eight. In rounds of 10
+/// or more, nothing within 3 * 10% = 30% of the typical distance is rejected. Fewer updates say
+/// less about the spread (out of 3, the MAD is just the smaller gap between two distances), and
+/// honest updates of a small round, computed on different base versions from batches of different
+/// difficulty, legitimately differ by more than 30%; so the floor grows as the round shrinks: out
+/// of 3, anything within twice the typical distance is kept. A poisoned update (scaled, noise) lies
+/// many times further at any size.
 ///
 /// Robust statistics because with the classical mean and standard deviation a single outlier
 /// among n updates can never lie more than (n - 1) / sqrt(n) standard deviations from the
@@ -547,11 +557,17 @@ fn outliers_in(updates: &[Update<'_>], z_threshold: f64, threads: usize) -> Vec<
     let center = median_f64(&mut sorted);
     let mut deviations: Vec<f64> = distances.iter().map(|d| (d - center).abs()).collect();
     let mad = median_f64(&mut deviations);
-    let sigma = (1.4826 * mad).max(SIGMA_FLOOR * center + 1e-12);
+    let sigma = (1.4826 * mad).max(sigma_floor(n) * center + 1e-12);
     distances
         .iter()
         .map(|d| (d - center) / sigma > z_threshold)
         .collect()
+}
+
+/// The outlier screen's smallest sigma for a round of `n` updates, as a fraction of the median
+/// distance.
+pub fn sigma_floor(n: usize) -> f64 {
+    SIGMA_FLOOR * (SMALL_ROUND as f64 / n as f64).max(1.0)
 }
 
 /// L2 distance of every update to the coordinate-wise median, in one pass: each coordinate's
@@ -667,6 +683,31 @@ pub enum OuterOptimizer {
     Nesterov { lr: f32, momentum: f32 },
 }
 
+/// How the outer learning rate changes over a pass through the ingested batches.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OuterSchedule {
+    Constant,
+    /// Cosine decay from the full rate to `min_ratio` of it, over the fraction of batches
+    /// completed: the network's counterpart of `hrm train`'s cosine schedule. Late updates move
+    /// the model less, so the published model settles instead of carrying the last rounds' noise.
+    Cosine {
+        min_ratio: f32,
+    },
+}
+
+impl OuterSchedule {
+    /// The factor on the outer learning rate with `progress` (0 to 1) of the batches completed.
+    pub fn factor(&self, progress: f64) -> f32 {
+        match *self {
+            Self::Constant => 1.0,
+            Self::Cosine { min_ratio } => {
+                let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress.clamp(0.0, 1.0)).cos());
+                min_ratio + (1.0 - min_ratio) * cosine as f32
+            }
+        }
+    }
+}
+
 /// Outer-optimizer state carried between versions. Empty vectors mean "zeros" (lazily sized on
 /// first use). The state belongs to one optimizer kind: FedAdam's `momentum` is an average,
 /// Nesterov's a sum.
@@ -685,6 +726,18 @@ impl OuterOptimizer {
             Self::FedAdam { .. } => "fedadam",
             Self::Nesterov { .. } => "nesterov",
         }
+    }
+
+    /// The same optimiser with its learning rate multiplied by `factor` (an outer schedule's
+    /// value for this step).
+    pub fn scaled(&self, factor: f32) -> Self {
+        let mut scaled = *self;
+        match &mut scaled {
+            Self::Plain { lr } | Self::FedAdam { lr, .. } | Self::Nesterov { lr, .. } => {
+                *lr *= factor;
+            }
+        }
+        scaled
     }
 
     fn validate(&self) -> Result<(), RuleError> {
@@ -1309,10 +1362,60 @@ mod tests {
             outliers(&updates(&round, &[1; 4]), 3.0),
             [false, false, false, true]
         );
+        // Rounds of 3 honest updates whose noise differs by up to 30% either way (batches of
+        // different difficulty): the 0.1 floor alone flagged some of them; none may be flagged.
+        let flagged: usize = (0..rounds)
+            .map(|_| {
+                let round: Vec<Vec<f32>> = (0..3)
+                    .map(|_| {
+                        let spread = 1.0 + 0.6 * rng.uniform() / 2.0;
+                        direction
+                            .iter()
+                            .map(|d| d + spread * rng.normal())
+                            .collect()
+                    })
+                    .collect();
+                let flags = outliers(&updates(&round, &[1; 3]), 3.0);
+                flags.iter().filter(|&&f| f).count()
+            })
+            .sum();
+        assert_eq!(flagged, 0, "honest updates flagged in {rounds} rounds of 3");
         // Too few to tell who is odd.
         let two = vec![vec![0.0f32; 10], vec![1e6f32; 10]];
         assert_eq!(outliers(&updates(&two, &[1; 2]), 3.0), vec![false; 2]);
         assert!(outliers(&[], 3.0).is_empty());
+    }
+
+    #[test]
+    fn cosine_outer_schedule_decays_to_its_floor() {
+        let cosine = OuterSchedule::Cosine { min_ratio: 0.1 };
+        assert_eq!(cosine.factor(0.0), 1.0);
+        assert!((cosine.factor(0.5) - 0.55).abs() < 1e-6);
+        assert!((cosine.factor(1.0) - 0.1).abs() < 1e-6);
+        assert!(
+            (cosine.factor(7.0) - 0.1).abs() < 1e-6,
+            "progress is clamped"
+        );
+        assert!(cosine.factor(0.3) > cosine.factor(0.6));
+        assert_eq!(OuterSchedule::Constant.factor(0.9), 1.0);
+        // A scaled optimiser steps by the scaled rate and keeps its other settings.
+        let nesterov = OuterOptimizer::Nesterov {
+            lr: 0.7,
+            momentum: 0.9,
+        };
+        assert_eq!(
+            nesterov.scaled(0.5),
+            OuterOptimizer::Nesterov {
+                lr: 0.35,
+                momentum: 0.9
+            }
+        );
+        let mut params = vec![1.0f32; 8];
+        OuterOptimizer::Plain { lr: 1.0 }
+            .scaled(0.25)
+            .apply(&mut params, &[2.0; 8], &mut OuterState::default())
+            .unwrap();
+        assert_eq!(params, vec![0.5; 8]);
     }
 
     #[test]

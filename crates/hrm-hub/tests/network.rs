@@ -175,6 +175,31 @@ async fn workers_train_and_the_hub_publishes_their_weighted_mean() {
 }
 
 #[tokio::test]
+async fn the_cosine_outer_schedule_shrinks_steps_as_batches_complete() {
+    let t = start(policy(&["--outer-schedule", "cosine"]), 4).await;
+    let (_, before) = current_params(&t.hub).await;
+    let mut contributions = Vec::new();
+    for i in 0..2 {
+        let worker = SimWorker::join(&t.url, &format!("w{i}")).await;
+        let (batch, _, update) = worker.contribute(&honest).await;
+        contributions.push((update, batch.num_samples));
+    }
+    t.admin.aggregate().await.unwrap();
+    // Half the batches completed: the cosine from 1 to 0.1 stands at 0.55.
+    let factor = 0.1 + 0.9 * 0.5;
+    let current = t.admin.current_model().await.unwrap();
+    assert!((current.metrics["outer_lr_factor"].as_f64().unwrap() - factor).abs() < 1e-6);
+    let (_, after) = current_params(&t.hub).await;
+    let mean = weighted_mean(&contributions);
+    let expected: Vec<f32> = before
+        .iter()
+        .zip(&mean)
+        .map(|(p, d)| p - factor as f32 * d)
+        .collect();
+    assert!(max_abs_diff(&after, &expected) < 1e-6);
+}
+
+#[tokio::test]
 async fn checkpoints_are_content_addressed_and_cacheable() {
     let t = start(policy(&[]), 1).await;
     let worker = SimWorker::join(&t.url, "cache").await;

@@ -688,6 +688,8 @@ fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
 pub struct LocalTraining {
     pub inner_steps: usize,
     pub learning_rate: f64,
+    /// Steps of linear warmup up to `learning_rate`.
+    pub warmup_steps: usize,
     pub weight_decay: f64,
     pub beta1: f64,
     pub beta2: f64,
@@ -724,7 +726,7 @@ pub fn local_update(
     }
     let schedule = LrSchedule {
         peak: plan.learning_rate,
-        warmup_steps: 0,
+        warmup_steps: plan.warmup_steps,
         total_steps: plan.inner_steps,
         kind: ScheduleKind::Constant,
         min_ratio: 1.0,

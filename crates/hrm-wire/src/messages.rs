@@ -80,6 +80,11 @@ pub struct TrainingPlan {
     /// Inner AdamW steps over the batch; each takes `num_samples / inner_steps` samples.
     pub inner_steps: u32,
     pub learning_rate: f64,
+    /// Inner steps over which the learning rate ramps linearly up to `learning_rate`. A fresh
+    /// AdamW's first steps are sign steps of full size on every parameter; the ramp damps them.
+    /// Absent from older hubs' plans, which meant no ramp.
+    #[serde(default)]
+    pub warmup_steps: u32,
     pub weight_decay: f64,
     pub beta1: f64,
     pub beta2: f64,

@@ -15,6 +15,7 @@ pub fn local_training(plan: &TrainingPlan, micro_batch: usize) -> LocalTraining 
     LocalTraining {
         inner_steps: plan.inner_steps as usize,
         learning_rate: plan.learning_rate,
+        warmup_steps: plan.warmup_steps as usize,
         weight_decay: plan.weight_decay,
         beta1: plan.beta1,
         beta2: plan.beta2,

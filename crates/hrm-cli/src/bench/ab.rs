@@ -1,6 +1,7 @@
 //! `hrm bench ab`: one workload against several servers, one after the other, and a Markdown
 //! report: latency percentiles, time to first token, output tokens/s, requests/s, errors,
-//! greedy-output agreement and log-likelihood agreement between targets.
+//! greedy-output agreement and log-likelihood agreement between targets, with PNG charts of the
+//! latency and throughput figures.
 //!
 //! Each target kind is an adapter from the workload's `/generate`-style fields to the server's
 //! own contract, following the specification's normalisation (`max_tokens` is TGI's
@@ -13,6 +14,7 @@
 //!   greedy requests omit `temperature` 0 and `top_p` 1 and send `do_sample: false`; token
 //!   counts come from `details`. TGI cannot score text.
 
+use super::charts;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -20,7 +22,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -509,6 +511,45 @@ fn agreement(runs: &[TargetRun], prompts: &[Prompt]) -> Vec<Value> {
     pairs
 }
 
+/// The report's charts: `latency.png` (time to first token and latency percentiles) and
+/// `throughput.png` (output tokens/s and requests/s), one bar per target.
+fn write_charts(out: &Path, summaries: &[Value]) -> Result<()> {
+    let targets: Vec<String> = summaries
+        .iter()
+        .map(|s| s["target"].as_str().unwrap_or_default().to_string())
+        .collect();
+    let metric = |pointer: &str| -> Vec<Option<f64>> {
+        summaries
+            .iter()
+            .map(|s| s.pointer(pointer).and_then(Value::as_f64))
+            .collect()
+    };
+    let panel = |title, pointer| charts::Panel {
+        title,
+        values: metric(pointer),
+    };
+    charts::write_bars(
+        &out.join("latency.png"),
+        &targets,
+        &[
+            panel("time to first token p50 (ms)", "/ttft_ms/p50"),
+            panel("latency p50 (ms)", "/latency_ms/p50"),
+            panel("latency p95 (ms)", "/latency_ms/p95"),
+            panel("latency p99 (ms)", "/latency_ms/p99"),
+        ],
+        2,
+    )?;
+    charts::write_bars(
+        &out.join("throughput.png"),
+        &targets,
+        &[
+            panel("output tokens/s", "/output_tokens_per_s"),
+            panel("requests/s", "/requests_per_s"),
+        ],
+        2,
+    )
+}
+
 fn report(args: &AbArgs, summaries: &[Value], pairs: &[Value]) -> String {
     let mut md = String::new();
     let workload = match (args.requests, args.duration) {
@@ -539,6 +580,7 @@ fn report(args: &AbArgs, summaries: &[Value], pairs: &[Value]) -> String {
             ms(s["ttft_ms"]["p95"].as_f64()),
         );
     }
+    md.push_str("\n![latency](latency.png)\n\n![throughput](throughput.png)\n");
     if !pairs.is_empty() {
         md.push_str("\n## Agreement\n\n| targets | greedy outputs identical | scored pairs | max \\|Δ log-likelihood\\| | mean \\|Δ\\| |\n|---|---|---|---|---|\n");
         for p in pairs {
@@ -591,6 +633,7 @@ pub fn run(args: AbArgs) -> Result<()> {
     let summaries: Vec<Value> = runs.iter().map(summary).collect();
     let pairs = agreement(&runs, &prompts);
     std::fs::create_dir_all(&args.out)?;
+    write_charts(&args.out, &summaries)?;
     let md = report(&args, &summaries, &pairs);
     std::fs::write(args.out.join("report.md"), &md)?;
     std::fs::write(

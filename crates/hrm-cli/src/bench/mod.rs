@@ -1,6 +1,7 @@
 //! `hrm bench`: measurements, kept apart from the test suite.
 
 pub mod ab;
+mod charts;
 pub mod hub;
 pub mod model;
 pub mod network;
