@@ -182,7 +182,11 @@ async fn run_locked(hub: &Hub) -> Result<AggregateOutcome> {
             num_samples: pending[*i].num_samples.max(0) as u64,
         })
         .collect();
-    let outliers = rules::outliers(&views, hub.policy.outlier_sigmas);
+    let versions: Vec<&str> = candidates
+        .iter()
+        .map(|(i, _)| pending[*i].model_version.as_str())
+        .collect();
+    let outliers = rules::outliers_by_version(&views, &versions, hub.policy.outlier_sigmas);
     let kept: Vec<usize> = (0..views.len()).filter(|&j| !outliers[j]).collect();
     for j in (0..views.len()).filter(|&j| outliers[j]) {
         verdicts.rejected.push((

@@ -552,16 +552,61 @@ fn outliers_in(updates: &[Update<'_>], z_threshold: f64, threads: usize) -> Vec<
     if n < 3 {
         return vec![false; n];
     }
-    let distances = distances_to_median(updates, len, threads);
-    let mut sorted = distances.clone();
+    above_robust_spread(&distances_to_median(updates, len, threads), z_threshold)
+}
+
+/// True for each value more than `z_threshold` robust sigmas above the median of `values`
+/// (sigma = 1.4826 * MAD, floored at [`sigma_floor`] * median).
+fn above_robust_spread(values: &[f64], z_threshold: f64) -> Vec<bool> {
+    let mut sorted = values.to_vec();
     let center = median_f64(&mut sorted);
-    let mut deviations: Vec<f64> = distances.iter().map(|d| (d - center).abs()).collect();
+    let mut deviations: Vec<f64> = values.iter().map(|d| (d - center).abs()).collect();
     let mad = median_f64(&mut deviations);
-    let sigma = (1.4826 * mad).max(sigma_floor(n) * center + 1e-12);
-    distances
+    let sigma = (1.4826 * mad).max(sigma_floor(values.len()) * center + 1e-12);
+    values
         .iter()
         .map(|d| (d - center) / sigma > z_threshold)
         .collect()
+}
+
+/// [`outliers`] for a pool that mixes updates computed on different model versions: `versions[i]`
+/// names update i's base version. Consecutive versions (early in training above all) pull in
+/// different directions, so against a mixed pool's median an honest update of one version looks
+/// like an outlier beside the others. Updates whose version has at least 3 updates in the pool
+/// are therefore screened among those only; an update with fewer peers is screened on its L2
+/// norm against the norms of the whole pool (AdamW's steps keep the size of honest updates
+/// steady from version to version, while a scaled or noise update is many times larger), so a
+/// poisoned update cannot hide by being alone on its version.
+///
+/// # Panics
+/// If `versions` and `updates` differ in length, or as [`outliers`] does.
+pub fn outliers_by_version(
+    updates: &[Update<'_>],
+    versions: &[&str],
+    z_threshold: f64,
+) -> Vec<bool> {
+    assert_eq!(updates.len(), versions.len(), "one version per update");
+    let mut groups: std::collections::BTreeMap<&str, Vec<usize>> = Default::default();
+    for (i, version) in versions.iter().enumerate() {
+        groups.entry(version).or_default().push(i);
+    }
+    let mut flags = if updates.len() < 3 {
+        vec![false; updates.len()]
+    } else {
+        let norms: Vec<f64> = updates.iter().map(|u| sq_norm(u.values).sqrt()).collect();
+        above_robust_spread(&norms, z_threshold)
+    };
+    for members in groups.values().filter(|m| m.len() >= 3) {
+        let group: Vec<Update<'_>> = members.iter().map(|&i| updates[i]).collect();
+        for (&i, flag) in members.iter().zip(outliers(&group, z_threshold)) {
+            flags[i] = flag;
+        }
+    }
+    flags
+}
+
+fn sq_norm(values: &[f32]) -> f64 {
+    values.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
 }
 
 /// The outlier screen's smallest sigma for a round of `n` updates, as a fraction of the median
@@ -1384,6 +1429,50 @@ mod tests {
         let two = vec![vec![0.0f32; 10], vec![1e6f32; 10]];
         assert_eq!(outliers(&updates(&two, &[1; 2]), 3.0), vec![false; 2]);
         assert!(outliers(&[], 3.0).is_empty());
+    }
+
+    #[test]
+    fn outliers_are_judged_among_updates_of_the_same_version() {
+        let mut rng = Rng(12);
+        let (early, late) = (rng.vec(3000), rng.vec(3000));
+        let near = |rng: &mut Rng, direction: &[f32], scale: f32| -> Vec<f32> {
+            direction
+                .iter()
+                .map(|d| scale * d + 0.1 * rng.normal())
+                .collect()
+        };
+        // Three honest updates on v1 and four on v2, whose direction has moved on.
+        let mut pool: Vec<Vec<f32>> = (0..3).map(|_| near(&mut rng, &early, 1.0)).collect();
+        pool.extend((0..4).map(|_| near(&mut rng, &late, 1.0)));
+        let mut versions = vec!["v1"; 3];
+        versions.extend(["v2"; 4]);
+        let ups = updates(&pool, &[1; 7]);
+        assert!(
+            outliers(&ups, 3.0).iter().any(|&f| f),
+            "the mixed pool's median must make honest updates look odd"
+        );
+        assert_eq!(outliers_by_version(&ups, &versions, 3.0), vec![false; 7]);
+        // A fresh honest update alone on v2 beside four on v1 (a Krum round waiting for more).
+        let fresh: Vec<Vec<f32>> = pool[..3]
+            .iter()
+            .cloned()
+            .chain([near(&mut rng, &early, 1.0), near(&mut rng, &late, 1.0)])
+            .collect();
+        let ups = updates(&fresh, &[1; 5]);
+        assert!(outliers(&ups, 3.0)[4], "the mixed pool's median");
+        assert_eq!(
+            outliers_by_version(&ups, &["v1", "v1", "v1", "v1", "v2"], 3.0),
+            vec![false; 5]
+        );
+        // A poisoned update is caught inside its version, and alone on a version of its own.
+        pool.push(near(&mut rng, &late, -10.0));
+        versions.push("v2");
+        pool.push(near(&mut rng, &early, -10.0));
+        versions.push("v0");
+        let ups = updates(&pool, &[1; 9]);
+        let mut want = vec![false; 7];
+        want.extend([true, true]);
+        assert_eq!(outliers_by_version(&ups, &versions, 3.0), want);
     }
 
     #[test]
