@@ -6,6 +6,7 @@
 use anyhow::{Context, Result, anyhow};
 use plotters::coord::Shift;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::Path;
 use std::sync::OnceLock;
 
@@ -75,7 +76,11 @@ fn draw_panel<DB: DrawingBackend>(
         .margin(12)
         .x_label_area_size(28)
         .y_label_area_size(56)
-        .build_cartesian_2d((0..targets.len()).into_segmented(), 0.0..top)
+        // plotters' integer ranges are inclusive when segmented: 0..n-1 gives n slots.
+        .build_cartesian_2d(
+            (0..targets.len().saturating_sub(1)).into_segmented(),
+            0.0..top,
+        )
         .map_err(plot_error)?;
     chart
         .configure_mesh()
@@ -85,6 +90,8 @@ fn draw_panel<DB: DrawingBackend>(
             SegmentValue::CenterOf(i) => targets.get(*i).cloned().unwrap_or_default(),
             _ => String::new(),
         })
+        .y_label_formatter(&|v| format_value(*v))
+        .max_light_lines(1)
         .label_style((FONT, 13))
         .draw()
         .map_err(plot_error)?;
@@ -111,7 +118,10 @@ fn draw_panel<DB: DrawingBackend>(
             Text::new(
                 format_value(v),
                 (SegmentValue::CenterOf(i), v + top * 0.02),
-                (FONT, 13).into_font().color(&BLACK),
+                (FONT, 13)
+                    .into_font()
+                    .color(&BLACK)
+                    .pos(Pos::new(HPos::Center, VPos::Bottom)),
             )
         }))
         .map_err(plot_error)?;
@@ -137,7 +147,8 @@ fn plot_error<E: std::fmt::Debug>(e: E) -> anyhow::Error {
 mod tests {
     use super::*;
 
-    /// Pixels of the bar colour in each third of a one-panel chart.
+    /// Pixels of the bar colour in each bar (a run of columns holding that colour), left to
+    /// right, in a one-panel chart.
     fn bar_pixels(values: Vec<Option<f64>>) -> Vec<usize> {
         let targets: Vec<String> = ["a", "b", "c"].map(String::from).to_vec();
         let size = PANEL;
@@ -146,23 +157,34 @@ mod tests {
         let root = BitMapBackend::with_buffer(&mut pixels, size).into_drawing_area();
         draw_bars(&root, &targets, &panels, (1, 1)).unwrap();
         drop(root);
-        let mut counts = vec![0; 3];
+        let mut columns = vec![0usize; size.0 as usize];
         for (k, px) in pixels.chunks_exact(3).enumerate() {
-            let x = (k as u32 % size.0) as usize;
             if px == [BAR.0, BAR.1, BAR.2] {
-                counts[(x * 3 / size.0 as usize).min(2)] += 1;
+                columns[k % size.0 as usize] += 1;
             }
         }
-        counts
+        let mut bars = Vec::new();
+        let mut in_bar = false;
+        for count in columns {
+            match (count > 0, in_bar) {
+                (true, false) => bars.push(count),
+                (true, true) => *bars.last_mut().unwrap() += count,
+                _ => {}
+            }
+            in_bar = count > 0;
+        }
+        bars
     }
 
     #[test]
     fn bars_are_as_tall_as_their_values() {
-        let counts = bar_pixels(vec![Some(10.0), Some(20.0), None]);
-        assert!(counts[0] > 0, "{counts:?}");
-        let ratio = counts[1] as f64 / counts[0] as f64;
-        assert!((ratio - 2.0).abs() < 0.1, "{counts:?}");
-        assert_eq!(counts[2], 0, "an unmeasured value draws no bar");
+        let bars = bar_pixels(vec![Some(10.0), Some(20.0), None]);
+        assert_eq!(bars.len(), 2, "an unmeasured value draws no bar: {bars:?}");
+        let ratio = bars[1] as f64 / bars[0] as f64;
+        assert!((ratio - 2.0).abs() < 0.1, "{bars:?}");
+        let bars = bar_pixels(vec![None, Some(5.0), Some(5.0)]);
+        assert_eq!(bars.len(), 2, "{bars:?}");
+        assert!(bars[0].abs_diff(bars[1]) <= bars[0] / 50, "{bars:?}");
     }
 
     #[test]
@@ -187,5 +209,11 @@ mod tests {
         let width = u32::from_be_bytes(bytes[16..20].try_into().unwrap());
         let height = u32::from_be_bytes(bytes[20..24].try_into().unwrap());
         assert_eq!((width, height), (2 * PANEL.0, PANEL.1));
+        // One target (a single slot) draws too.
+        let one = [Panel {
+            title: "req/s",
+            values: vec![Some(3.0)],
+        }];
+        write_bars(&dir.path().join("one.png"), &targets[..1], &one, 2).unwrap();
     }
 }
