@@ -13,7 +13,8 @@ use candle_nn::VarBuilder;
 use crate::cache::{ForwardBatch, softmax_last_dim};
 use crate::moe::MoeMlp;
 
-/// A bias-free linear projection, dense or GGUF-quantised.
+/// A bias-free linear projection, dense or GGUF-quantised. Quantised Q4_1 decode steps on the
+/// CPU use the kernel in `q4_1.rs`; everything else uses candle's.
 #[derive(Clone, Debug)]
 pub enum Linear {
     Dense(candle_nn::Linear),
@@ -56,6 +57,9 @@ impl Module for Linear {
                 candle_nn::Linear::new(w, None)
                     .forward(&x.to_dtype(DType::F32)?)?
                     .to_dtype(x.dtype())
+            }
+            Self::Quantized(QMatMul::QTensor(q)) if crate::q4_1::applies(q, x) => {
+                crate::q4_1::forward(q, x)
             }
             Self::Quantized(q) => q.forward(x),
         }

@@ -21,6 +21,7 @@ pub mod layers;
 pub mod llama;
 pub mod loader;
 pub mod moe;
+mod q4_1;
 pub mod tokenizer;
 pub mod train;
 
