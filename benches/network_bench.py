@@ -65,9 +65,11 @@ class Network:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.hub = subprocess.Popen(
             [args.hrm, "hub", "serve", "--addr", self.url[7:], "--data-dir", self.data,
-             "--eval-windows", "0", "--verify-fraction", "0",
+             "--eval-windows", "0",
              "--inner-steps", str(args.inner_steps), "--inner-lr", str(args.inner_lr),
              "--inner-warmup-steps", str(args.inner_warmup)]
+            # Re-verification recomputes updates on the hub's CPU, which the workers share.
+            + ([] if "--verify-fraction" in hub_flags else ["--verify-fraction", "0"])
             # Unless the run says otherwise, every update is applied as it arrives.
             + ([] if "--min-gradients-for-update" in hub_flags else ["--min-gradients-for-update", "1"])
             + ([] if "--aggregation-interval" in hub_flags else ["--aggregation-interval", "2"])
@@ -153,7 +155,8 @@ def network_run(args, name, hub_flags, workers=3, compress=False, hostile=False)
     net = Network(args, work, hub_flags)
     started = time.time()
     for i in range(workers):
-        net.add_worker(f"w{i}", ["--compress-gradients", "true"] if compress else [])
+        net.add_worker(f"w{i}", ["--compress-gradients", "true", "--compression-ratio", str(args.topk_ratio)]
+                       if compress else [])
     if hostile:
         net.add_hostile()
     stats = net.wait_done()
@@ -206,6 +209,7 @@ def main():
     p.add_argument("--hub-flags", default="--min-gradients-for-update 3 --outer-schedule cosine", help="extra `hrm hub serve` flags for the parity runs")
     p.add_argument("--hostile-runs", default="", help="comma-separated subset of honest_reference,"
                    "fedavg_no_screen,fedavg_screen,krum,median (default: all)")
+    p.add_argument("--topk-ratio", type=float, default=0.1, help="the workers' compression ratio in the top-k run")
     p.add_argument("--skip", default="", help="central,dense,topk: leave those parity runs out")
     args = p.parse_args()
     args.rows_per_step = args.batch_size // args.inner_steps

@@ -132,6 +132,10 @@ pub struct PolicyArgs {
     /// Cosine similarity a recomputed update must reach to count as agreeing.
     #[arg(long, env = "HRM_HUB_VERIFY_MIN_COSINE", default_value_t = 0.9)]
     pub verify_min_cosine: f64,
+    /// The same for top-k uploads, on the values they sent: these carry the worker's
+    /// error-feedback residual, which the recomputation cannot know.
+    #[arg(long, env = "HRM_HUB_VERIFY_MIN_COSINE_SPARSE", default_value_t = 0.5)]
+    pub verify_min_cosine_sparse: f64,
     /// Validation windows evaluated for each new version's metrics (0: none).
     #[arg(long, env = "HRM_HUB_EVAL_WINDOWS", default_value_t = 32)]
     pub eval_windows: usize,
@@ -167,6 +171,7 @@ pub struct Policy {
     pub min_reputation: f64,
     pub verify_fraction: f64,
     pub verify_min_cosine: f64,
+    pub verify_min_cosine_sparse: f64,
     pub eval_windows: usize,
     pub plan: TrainingPlan,
     pub heartbeat: Duration,
@@ -245,6 +250,7 @@ impl PolicyArgs {
             min_reputation: self.min_reputation,
             verify_fraction: self.verify_fraction,
             verify_min_cosine: self.verify_min_cosine,
+            verify_min_cosine_sparse: self.verify_min_cosine_sparse,
             eval_windows: self.eval_windows,
             plan: TrainingPlan {
                 inner_steps: self.inner_steps.max(1),

@@ -1,6 +1,7 @@
 //! The hub's own model computations: the validation loss recorded with every new version, and
 //! random re-verification, which recomputes a sample of accepted updates exactly as the worker
-//! was told to (same version, batch, plan and seed) and compares them by cosine similarity.
+//! was told to (same version, batch, plan and seed) and compares them by cosine similarity
+//! (for top-k uploads, on the values sent).
 //! Agreement raises the worker's reputation; disagreement costs it and un-counts the batch.
 //! The recomputation is the worker's own code (`hrm_worker::compute`), so an honest upload and
 //! the hub's check of it cannot drift apart.
@@ -15,7 +16,7 @@ use anyhow::{Context, Result, anyhow};
 use candle_core::Device;
 use hrm_model::train::{ModelSpec, build_with_weights, evaluate};
 use hrm_wire::samples::decode_samples;
-use hrm_wire::update::{decode_update, read_checkpoint};
+use hrm_wire::update::{ENCODING_KEY, decode_update, read_checkpoint, read_metadata};
 use hrm_worker::compute::{local_training, to_tensors, update_on_cpu};
 use sqlx::Row;
 use std::path::Path;
@@ -75,6 +76,20 @@ pub async fn verify_next(hub: &Hub) -> Result<Option<f64>> {
     }
 }
 
+/// The cosine similarity of a top-k upload with the recomputed update, on the values the worker
+/// sent. A top-k file holds a tenth of the values, so against the whole update even an honest
+/// one scores about the square root of its share; and what it sent includes its error-feedback
+/// residual from earlier batches, which the hub cannot know, hence a threshold of its own.
+fn cosine_on_sent_values(uploaded: &[f32], recomputed: &[f32]) -> f64 {
+    let (sent, expected): (Vec<f32>, Vec<f32>) = uploaded
+        .iter()
+        .zip(recomputed)
+        .filter(|(sent, _)| **sent != 0.0)
+        .map(|(sent, expected)| (*sent, *expected))
+        .unzip();
+    cosine_similarity(&sent, &expected)
+}
+
 async fn recompute(hub: &Hub, row: &sqlx::any::AnyRow) -> Result<f64> {
     let update_id: String = row.try_get("update_id")?;
     let worker_id: String = row.try_get("worker_id")?;
@@ -89,8 +104,13 @@ async fn recompute(hub: &Hub, row: &sqlx::any::AnyRow) -> Result<f64> {
     let checkpoint = hub.blobs.get(&version_row.checkpoint_key).await?;
     let (schema, params) =
         read_checkpoint(&checkpoint).map_err(|e| anyhow!("checkpoint {version}: {e}"))?;
-    let uploaded = decode_update(&hub.blobs.get(&key).await?, &schema, &version)
-        .map_err(|e| anyhow!("update {update_id}: {e}"))?;
+    let file = hub.blobs.get(&key).await?;
+    let sparse = read_metadata(&file)
+        .map_err(|e| anyhow!("update {update_id}: {e}"))?
+        .get(ENCODING_KEY)
+        .is_some_and(|encoding| encoding == "topk");
+    let uploaded =
+        decode_update(&file, &schema, &version).map_err(|e| anyhow!("update {update_id}: {e}"))?;
     let samples = decode_samples(&hub.blobs.get(&data_key).await?)?;
     let spec = spec_of(&version_row.config)?;
     let plan = local_training(&crate::batches::plan_for(hub, &batch_id), MICRO_BATCH);
@@ -99,8 +119,18 @@ async fn recompute(hub: &Hub, row: &sqlx::any::AnyRow) -> Result<f64> {
     })
     .await?
     .context("recomputing an update")?;
-    let cosine = cosine_similarity(&uploaded, &recomputed);
-    let agreed = cosine >= hub.policy.verify_min_cosine;
+    let (cosine, threshold) = if sparse {
+        (
+            cosine_on_sent_values(&uploaded, &recomputed),
+            hub.policy.verify_min_cosine_sparse,
+        )
+    } else {
+        (
+            cosine_similarity(&uploaded, &recomputed),
+            hub.policy.verify_min_cosine,
+        )
+    };
+    let agreed = cosine >= threshold;
     let mut tx = hub.db.pool.begin().await?;
     let changed = sqlx::query(
         "UPDATE gradient_updates SET verification = $1, verification_cosine = $2 WHERE update_id = $3 AND verification = 'queued'",

@@ -759,29 +759,27 @@ async fn re_verification_recomputes_updates_and_moves_reputation() {
         std::path::Path::new("config.json"),
     )
     .unwrap();
+    // Leases a batch and trains it exactly as the plan says.
+    async fn train(
+        worker: &SimWorker,
+        spec: &ModelSpec,
+    ) -> (hrm_wire::BatchAssignment, Schema, Vec<f32>) {
+        let batch = worker.lease().await.unwrap();
+        let (schema, params) = worker.checkpoint(&batch.model_version).await;
+        let samples = hrm_wire::samples::decode_samples(
+            &worker.client.download(&batch.data_url).await.unwrap(),
+        )
+        .unwrap();
+        let plan = local_training(&batch.plan, 2);
+        let delta = update_on_cpu(spec, &schema, &params, &samples, &plan)
+            .unwrap()
+            .flat;
+        assert!(delta.iter().any(|v| *v != 0.0));
+        (batch, schema, delta)
+    }
 
-    // An honest worker trains exactly as the plan says.
     let honest_worker = SimWorker::join(&t.url, "trainer").await;
-    let batch = honest_worker.lease().await.unwrap();
-    let (schema, params) = honest_worker.checkpoint(&batch.model_version).await;
-    let samples = hrm_wire::samples::decode_samples(
-        &honest_worker
-            .client
-            .download(&batch.data_url)
-            .await
-            .unwrap(),
-    )
-    .unwrap();
-    let delta = update_on_cpu(
-        &spec,
-        &schema,
-        &params,
-        &samples,
-        &local_training(&batch.plan, 2),
-    )
-    .unwrap()
-    .flat;
-    assert!(delta.iter().any(|v| *v != 0.0));
+    let (batch, schema, delta) = train(&honest_worker, &spec).await;
     let file = encode_update(&schema, &delta, &batch.model_version, Encoding::Dense);
     honest_worker
         .upload(&batch, &batch.model_version, file)
@@ -792,11 +790,30 @@ async fn re_verification_recomputes_updates_and_moves_reputation() {
     let lazy = SimWorker::join(&t.url, "lazy").await;
     lazy.contribute(&honest).await;
 
+    // Top-k uploads are judged on the values they sent: an honest one agrees (against the
+    // whole update it would score about 0.5), one pointing the other way does not.
+    let top_k = Encoding::TopK { ratio: 0.1 };
+    let compressing = SimWorker::join(&t.url, "compressing").await;
+    let (batch, schema, delta) = train(&compressing, &spec).await;
+    let file = encode_update(&schema, &delta, &batch.model_version, top_k);
+    compressing
+        .upload(&batch, &batch.model_version, file)
+        .await
+        .unwrap();
+    let reversing = SimWorker::join(&t.url, "reversing").await;
+    let (batch, schema, delta) = train(&reversing, &spec).await;
+    let reversed: Vec<f32> = delta.iter().map(|v| -v).collect();
+    let file = encode_update(&schema, &reversed, &batch.model_version, top_k);
+    reversing
+        .upload(&batch, &batch.model_version, file)
+        .await
+        .unwrap();
+
     let mut cosines = Vec::new();
     while let Some(cosine) = hrm_hub::verify::verify_next(&t.hub).await.unwrap() {
         cosines.push(cosine);
     }
-    assert_eq!(cosines.len(), 2);
+    assert_eq!(cosines.len(), 4);
     assert!(
         cosines[0] > 0.999,
         "an exact recomputation must agree: {}",
@@ -807,18 +824,17 @@ async fn re_verification_recomputes_updates_and_moves_reputation() {
         "a made-up update must not: {}",
         cosines[1]
     );
-    let trusted = honest_worker.client.worker_stats().await.unwrap();
-    let doubted = lazy.client.worker_stats().await.unwrap();
-    assert!(
-        (trusted.reputation_score - 1.05).abs() < 1e-9,
-        "{}",
-        trusted.reputation_score
-    );
-    assert!(
-        (doubted.reputation_score - 0.5).abs() < 1e-9,
-        "{}",
-        doubted.reputation_score
-    );
+    assert!(cosines[2] > 0.999, "honest top-k: {}", cosines[2]);
+    assert!(cosines[3] < -0.999, "reversed top-k: {}", cosines[3]);
+    for (worker, expected) in [
+        (&honest_worker, 1.05),
+        (&lazy, 0.5),
+        (&compressing, 1.05),
+        (&reversing, 0.5),
+    ] {
+        let reputation = worker.client.worker_stats().await.unwrap().reputation_score;
+        assert!((reputation - expected).abs() < 1e-9, "{reputation}");
+    }
 }
 
 #[tokio::test]
