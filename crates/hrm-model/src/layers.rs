@@ -13,8 +13,8 @@ use candle_nn::VarBuilder;
 use crate::cache::{ForwardBatch, softmax_last_dim};
 use crate::moe::MoeMlp;
 
-/// A bias-free linear projection, dense or GGUF-quantised. Quantised Q4_1 decode steps on the
-/// CPU use the kernel in `q4_1.rs`; everything else uses candle's.
+/// A bias-free linear projection, dense or GGUF-quantised. Quantised Q4_1 projections on the
+/// CPU use the kernel in `q4_1.rs` for every pass; everything else uses candle's.
 #[derive(Clone, Debug)]
 pub enum Linear {
     Dense(candle_nn::Linear),
@@ -44,6 +44,11 @@ impl Linear {
 /// per sequence) keep the quantised kernel, which reads 4-8x fewer weight bytes. The choice
 /// depends only on the pass's shape, never on what else is batched, so a sequence's scores and
 /// tokens do not depend on its batch.
+///
+/// Q4_1 is the exception: `q4_1.rs` unpacks each weight block once for several rows, so it
+/// serves prefill and scoring too. Dequantising a whole model per call cost a short prompt more
+/// than its prefill (time to first token ~90 ms for 8 tokens of SmolLM2, against ~20 ms), and
+/// one kernel for every pass means a token scores the same at prefill, decode and scoring.
 fn dequantize_for(x: &Tensor) -> Result<bool> {
     Ok(x.rank() == 3 && x.dim(1)? > 1)
 }
@@ -52,14 +57,14 @@ impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Self::Dense(l) => l.forward(x),
+            Self::Quantized(QMatMul::QTensor(q)) if crate::q4_1::applies(q, x) => {
+                crate::q4_1::forward(q, x)
+            }
             Self::Quantized(QMatMul::QTensor(q)) if dequantize_for(x)? => {
                 let w = q.dequantize(x.device())?;
                 candle_nn::Linear::new(w, None)
                     .forward(&x.to_dtype(DType::F32)?)?
                     .to_dtype(x.dtype())
-            }
-            Self::Quantized(QMatMul::QTensor(q)) if crate::q4_1::applies(q, x) => {
-                crate::q4_1::forward(q, x)
             }
             Self::Quantized(q) => q.forward(x),
         }

@@ -1,4 +1,4 @@
-//! The CPU matmul for GGUF Q4_1 weights at decode steps.
+//! The CPU matmul for GGUF Q4_1 weights, for every pass (decode, prefill and scoring).
 //!
 //! candle 0.11 computes the Q4_1 × Q8_1 dot product with scalar code, which made decode of Q4_1
 //! models compute-bound far below the memory-bandwidth limit. This module owns a replacement

@@ -224,6 +224,11 @@ pub async fn completions(
 /// One entry per returned token: `(token, logprob or None for the very first echoed token, top)`.
 type ChoiceScores = Vec<(u32, Option<TokenLogprob>)>;
 
+/// Scores each choice's tokens. Echoed prompt tokens are scored causally, each seeing only the
+/// tokens before it: a prefix-LM model's bidirectional prompt block would let every prompt token
+/// see itself, and evaluation tools (lm-eval scores a continuation through echo) would read
+/// leaked log-probabilities. Generated tokens are scored as they were generated, after the
+/// prompt block.
 async fn score_choices(
     ready: &Ready,
     prompts: &[Vec<u32>],
@@ -233,37 +238,38 @@ async fn score_choices(
 ) -> Result<Vec<ChoiceScores>, ApiError> {
     let prefix_lm = ready.engine.info().prefix_lm;
     let mut rows = Vec::new();
+    // Per choice: its tokens, its prompt's length and how many adjacent rows score it.
     let mut plans = Vec::new();
     for (prompt, g) in prompts.iter().zip(generations) {
         let tokens: Vec<u32> = prompt.iter().chain(&g.token_ids).copied().collect();
-        let score_from = if echo { 1 } else { prompt.len() };
-        let scored = tokens.len() > score_from && score_from >= 1;
-        if scored {
+        let first_row = rows.len();
+        if echo && prompt.len() > 1 {
+            rows.push(ScoreRow {
+                tokens: prompt.clone(),
+                score_from: 1,
+                block: 0,
+            });
+        }
+        if !g.token_ids.is_empty() {
             rows.push(ScoreRow {
                 block: if prefix_lm { prompt.len() } else { 0 },
                 tokens: tokens.clone(),
-                score_from,
+                score_from: prompt.len(),
             });
         }
-        plans.push((tokens, score_from, scored));
+        plans.push((tokens, prompt.len(), rows.len() - first_row));
     }
     let mut scored = ready.scheduler.score(rows, top_n).await?.into_iter();
     Ok(plans
         .into_iter()
-        .map(|(tokens, score_from, has_scores)| {
+        .map(|(tokens, prompt_len, row_count)| {
+            let from = if echo { 1 } else { prompt_len };
             let mut out: ChoiceScores = Vec::new();
             if echo && !tokens.is_empty() {
                 out.push((tokens[0], None));
             }
-            if has_scores {
-                let row = scored.next().unwrap_or_default();
-                out.extend(
-                    tokens[score_from..]
-                        .iter()
-                        .copied()
-                        .zip(row.into_iter().map(Some)),
-                );
-            }
+            let scores = (&mut scored).take(row_count).flatten();
+            out.extend(tokens.iter().skip(from).copied().zip(scores.map(Some)));
             out
         })
         .collect())
@@ -319,6 +325,7 @@ pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
             "object": "model",
             "owned_by": "hrm",
             "family": ready.engine.info().family.as_str(),
+            "prefix_lm": ready.engine.info().prefix_lm,
             "max_model_len": ready.engine.context_window(),
         }],
     })))

@@ -294,14 +294,25 @@ async fn openai_completions_with_echo_and_logprobs() {
     assert_eq!(lp["tokens"].as_array().unwrap().len(), n);
     assert!(lp["token_logprobs"][0].is_null() && lp["top_logprobs"][0].is_null());
     assert_eq!(lp["text_offset"][0], 0);
-    // Scores of the prompt tokens agree with the engine's teacher-forced pass (the prompt is the
-    // prefix-LM block, as lm-eval's context would be).
-    let row = hrm_model::engine::ScoreRow {
+    // The prompt's tokens are scored causally, each seeing only the tokens before it; scored
+    // inside the prefix-LM block they would see themselves, and the two differ on this model.
+    let causal = hrm_model::engine::ScoreRow {
         tokens: prompt.clone(),
         score_from: 1,
-        block: prompt.len(),
+        block: 0,
     };
-    let want = engine.token_logprobs(&[row], 2, 1).unwrap().remove(0);
+    let in_block = hrm_model::engine::ScoreRow {
+        block: prompt.len(),
+        ..causal.clone()
+    };
+    let mut scored = engine.token_logprobs(&[causal, in_block], 2, 1).unwrap();
+    let (want, leaked) = (scored.remove(0), scored.remove(0));
+    assert!(
+        want.iter()
+            .zip(&leaked)
+            .any(|(a, b)| (a.logprob - b.logprob).abs() > 1e-2),
+        "the fixture cannot tell causal from block scoring"
+    );
     for (k, w) in want.iter().enumerate() {
         let got = lp["token_logprobs"][k + 1].as_f64().unwrap();
         assert!(
@@ -313,6 +324,23 @@ async fn openai_completions_with_echo_and_logprobs() {
         let top = lp["top_logprobs"][k + 1].as_object().unwrap().len();
         assert!((1..=2).contains(&top), "{top} alternatives");
     }
+    // The generated token is scored as generation saw it: after the prompt block.
+    let after_block = hrm_model::engine::ScoreRow {
+        tokens: prompt.iter().copied().chain([0]).collect(),
+        score_from: prompt.len(),
+        block: prompt.len(),
+    };
+    let (greedy, greedy_logprob) =
+        engine.token_logprobs(&[after_block], 1, 1).unwrap()[0][0].top[0];
+    let got = lp["token_logprobs"][prompt.len()].as_f64().unwrap();
+    assert!(
+        (got - f64::from(greedy_logprob)).abs() < 1e-4,
+        "generated token: {got} vs {greedy_logprob}"
+    );
+    assert_eq!(
+        lp["tokens"][prompt.len()],
+        engine.tokenizer().decode_verbatim(&[greedy]).unwrap()
+    );
     assert!(
         choice["text"]
             .as_str()
@@ -394,6 +422,7 @@ async fn remote_tokenizer_routes_match_what_lm_eval_expects() {
         .await
         .unwrap();
     assert_eq!(models["data"][0]["id"], "hrm-text");
+    assert_eq!(models["data"][0]["prefix_lm"], false);
     server.stop().await;
 }
 

@@ -621,8 +621,12 @@ pub fn run(args: AbArgs) -> Result<()> {
     let prompts = Arc::new(prompts);
     let runtime = tokio::runtime::Runtime::new()?;
     let runs = runtime.block_on(async {
+        // A fresh connection per request, for every target alike: servers that close kept-alive
+        // connections on their own schedule (llama.cpp's llama-server) otherwise race the pool,
+        // and the request lost on a just-closed connection counts as the server's error.
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(600))
+            .pool_max_idle_per_host(0)
             .build()?;
         let mut runs = Vec::new();
         for target in &args.targets {
