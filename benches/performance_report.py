@@ -8,7 +8,8 @@ docs/performance.md regenerated from them.
 
 Parts (all by default; `--only gguf,transformers` runs some and keeps the others' last figures
 from --out):
-  gguf          `hrm serve` against llama.cpp's server (llama-cpp-python) on the same GGUF
+  gguf          `hrm serve` against llama.cpp's servers (llama-cpp-python; llama-server with
+                --llama-server) on the same GGUF
                 (SmolLM2-135M-Instruct Q4_1), `hrm bench ab` at concurrency 1 and 8, 16 greedy
                 prompts x 32 tokens: output tokens/s, time to first token, latency p50/p99.
   transformers  `hrm bench model` next to transformers on CPU on models/sample (batch 1 and 8):
@@ -427,7 +428,7 @@ def bandwidth_fraction(ctx, gguf_result):
                 # ab's output tokens/s at concurrency 1 includes prefill and HTTP: a lower bound
                 # on the server's decode rate.
                 rows.append({"model": info["model"], "format": info["format"],
-                             "side": f"{t['target']} server, ab concurrency 1",
+                             "side": f"{t['target']} (ab, concurrency 1)",
                              "weight_bytes_per_token": bytes_per_token, "bound_tok_s": bound,
                              "decode_tok_s": t["output_tokens_per_s"], "fraction": t["output_tokens_per_s"] / bound})
     return {"bandwidth": bandwidth, "decode_command": speed["command"], "rows": rows}
@@ -741,7 +742,7 @@ def render(results):
                 f"binary `{meta.get('hrm_binary')}` built {meta.get('hrm_binary_mtime')}; every figure is in "
                 f"`{meta.get('out')}`, each command's output in `logs/` beside it.")]
     sections = [
-        ("gguf", "### Ours against llama.cpp's server, same GGUF", md_gguf),
+        ("gguf", "### Ours against llama.cpp's servers, same GGUF", md_gguf),
         ("transformers", "### Ours against transformers on CPU, same HRM-Text weights", md_transformers),
         ("bandwidth", "### Batch-1 decode against the memory-bandwidth bound", md_bandwidth),
         ("rps", "### Requests/s at batch 8 against the target of 10", md_rps),
