@@ -15,8 +15,9 @@ from --out):
   transformers  `hrm bench model` next to transformers on CPU on models/sample (batch 1 and 8):
                 prefill and decode tokens/s.
   bandwidth     batch-1 decode tokens/s as a fraction of the memory-bandwidth bound: bytes per
-                token from `hrm serve --dry-run`, read bandwidth from `hrm bench aggregate`
-                (its single-threaded "read once" pass, with a numpy sum as a cross-check).
+                token from `hrm serve --dry-run`; read bandwidth the highest of `hrm bench
+                aggregate`'s single-threaded "read once" pass, a numpy sum and a torch sum on
+                --threads threads, so that the bound stays a bound.
   rps           requests/s of `hrm serve` on models/sample at batch 8 (8 clients, 16 tokens each,
                 --rps-seconds) against the specification's target of 10.
   quality       models/sample (hrm_text), models/sample-moe (hrm_text_moe) and
@@ -28,32 +29,13 @@ from --out):
 
 Writes every figure to --out (JSON) and replaces the block between
 `<!-- performance-report:begin -->` and `<!-- performance-report:end -->` in docs/performance.md
-(the section is created near the top if missing); ab's charts are copied to docs/perf/.
+(which must exist); ab's charts are copied to docs/perf/.
 Servers run in their own process groups on free ports and are killed on exit.
 
-Installing the peers (large; not part of CI):
-  llama.cpp's Python server, built from source (a cached wheel may have been built for another
-  CPU and die with SIGILL; turn on only the instruction sets this CPU has: see the flags in
-  /proc/cpuinfo, and drop -DGGML_AVX512*=ON where avx512f is missing, as on this machine):
-      python3 -m venv /tmp/llama
-      CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \\
-          -DGGML_BMI2=ON -DGGML_AVX512=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \\
-          /tmp/llama/bin/pip install --no-cache-dir --no-binary llama-cpp-python 'llama-cpp-python[server]'
-      # about 7 minutes on 2 cores; check: /tmp/llama/bin/python -m llama_cpp.server --model GGUF --n_threads 2
-  llama.cpp's own llama-server, from the llama.cpp sources vendored in the same sdist (about 6
-  minutes on 2 cores; `--no-binary :all:` would build cmake itself from source too):
-      /tmp/llama/bin/pip install cmake ninja && export PATH=/tmp/llama/bin:$PATH
-      /tmp/llama/bin/pip download --no-deps --no-binary llama-cpp-python llama-cpp-python==0.3.36 -d .
-      tar xzf llama_cpp_python-0.3.36.tar.gz && cd llama_cpp_python-0.3.36/vendor/llama.cpp
-      cmake -B /tmp/llama-src/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX2=ON \\
-          -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF
-      cmake --build /tmp/llama-src/build --target llama-server -j2
-  transformers and lm-eval: the reference venv of tests/reference/README.md, then
-      /tmp/ref/bin/pip install "lm-eval[api]==0.4.13"
-  the build before the gap fix (for the gap part):
-      git worktree add /tmp/before 70e31c2 && (cd /tmp/before && cargo build --release --locked -p hrm-cli)
-  TGI needs a GPU or its Docker image and cannot run here; `hrm bench ab`'s TGI adapter is tested
-  against a stub (crates/hrm-cli/tests/ab.rs).
+Installing the peers (large; not part of CI): llama-cpp-python's server and llama.cpp's
+llama-server built from source, transformers and lm-eval, and the build before the gap fix; the
+steps are in docs/performance.md, "Against the peers". TGI cannot run here; `hrm bench ab`'s TGI
+adapter is tested against a stub (crates/hrm-cli/tests/ab.rs).
 """
 
 import argparse
@@ -77,7 +59,6 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ["gguf", "transformers", "bandwidth", "rps", "quality", "gap"]
 BEGIN, END = "<!-- performance-report:begin -->", "<!-- performance-report:end -->"
-SECTION = "## Against the peers: `benches/performance_report.py` (issue #7)"
 SAMPLES = ["models/sample", "models/sample-moe", "models/sample-llama"]
 
 # Greedy prompts for the server comparisons: varied English, short enough that decode dominates.
@@ -100,22 +81,6 @@ PROMPTS = [
     "The most important invention of the last century was",
 ]
 
-INSTALL_PARAGRAPH = """\
-Installing the peers (not part of CI): llama.cpp's Python server is built from source in its own
-venv, with only the instruction sets this CPU has (it has AVX2 but no AVX-512: a build with
-`-DGGML_AVX512=ON`, or a cached wheel built elsewhere, dies with SIGILL):
-
-```sh
-python3 -m venv /tmp/llama
-CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF" \\
-    CMAKE_BUILD_PARALLEL_LEVEL=2 /tmp/llama/bin/pip install --no-cache-dir --no-binary llama-cpp-python 'llama-cpp-python[server]'
-```
-
-(about 7 minutes on 2 cores). transformers and lm-eval come from the reference venv of
-[tests/reference/README.md](../tests/reference/README.md) plus `pip install "lm-eval[api]==0.4.13"`.
-TGI cannot run here (it needs a GPU or its Docker image); `hrm bench ab`'s TGI adapter is tested
-against a stub server (`crates/hrm-cli/tests/ab.rs`), so no TGI figures appear below.
-"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -623,19 +588,29 @@ def md_gguf(r):
     return "\n".join(lines)
 
 
+def speed_table(r, command, text, keys, first, second, over):
+    """A section of prefill and decode tok/s of two sides: the command, the prose, then one row
+    per entry of r["rows"], led by its `keys` columns."""
+    lead = " | ".join(k.replace("_", " ") for k in keys)
+    lines = [header(r, command), para(text),
+             f"| {lead} | prefill tok/s {first} | {second} | ratio | decode tok/s {first} | {second} | ratio |",
+             "|---" * (len(keys) + 6) + "|"]
+    for row in r["rows"]:
+        lead = " | ".join(str(row[k]) for k in keys)
+        lines.append(f"| {lead} | {speed_cells(row, first, second, over)} |")
+    return "\n".join(lines) + "\n"
+
+
 def md_transformers(r):
     if "rows" not in r:
         return not_measured(r)
-    lines = [header(r, r["command"]),
-             para(f"Same weights (`models/sample`, HRM-Text 7.9M, f32 activations), transformers "
-                  f"{r.get('transformers', '?')} / torch {r.get('torch', '?')} on CPU; 128 prompt tokens per "
-                  "sequence, 32 greedy decode steps with the KV cache, each cell a fresh process; ratio = hrm / "
-                  "transformers."),
-             "| batch | prefill tok/s hrm | transformers | ratio | decode tok/s hrm | transformers | ratio |",
-             "|---|---|---|---|---|---|---|"]
-    for row in r["rows"]:
-        lines.append(f"| {row['batch']} | {speed_cells(row, 'hrm', 'transformers', over='hrm')} |")
-    return "\n".join(lines) + "\n"
+    return speed_table(
+        r, r["command"],
+        f"Same weights (`models/sample`, HRM-Text 7.9M, f32 activations), transformers "
+        f"{r.get('transformers', '?')} / torch {r.get('torch', '?')} on CPU; 128 prompt tokens per "
+        "sequence, 32 greedy decode steps with the KV cache, each cell a fresh process; ratio = hrm / "
+        "transformers.",
+        ["batch"], "hrm", "transformers", over="hrm")
 
 
 def md_bandwidth(r):
@@ -712,19 +687,16 @@ def md_quality(r):
 def md_gap(r):
     if "rows" not in r:
         return not_measured(r)
-    lines = [header(r, f"{r['command']}  # with the build before the fix, then with target/release/hrm, twice"),
-             para(f"Where our server trailed llama.cpp on `{r['gguf']}` (batch-1 decode, and the time to first "
-                  "token), a profile put the time in candle 0.11's Q4_1 × Q8_1 dot product, which is scalar code, "
-                  "and, for prefill, in dequantising every matrix to f32 on each call. The fix is an AVX2 kernel "
-                  "(`crates/hrm-model/src/q4_1.rs`) that reads the weights in place, keeps candle's arithmetic "
-                  "(decode outputs are bit for bit candle's) and unpacks each block once for several rows, so "
-                  f"it serves prefill too. Before: {r['before']}. Each binary ran twice, alternately; the "
-                  "better run of each is shown."),
-             "| prompt tokens | batch | prefill tok/s before | after | ratio | decode tok/s before | after | ratio |",
-             "|---|---|---|---|---|---|---|---|"]
-    for row in r["rows"]:
-        lines.append(f"| {row['prompt_tokens']} | {row['batch']} | {speed_cells(row, 'before', 'after', over='after')} |")
-    return "\n".join(lines) + "\n"
+    return speed_table(
+        r, f"{r['command']}  # with the build before the fix, then with target/release/hrm, twice",
+        f"Where our server trailed llama.cpp on `{r['gguf']}` (batch-1 decode, and the time to first "
+        "token), a profile put the time in candle 0.11's Q4_1 × Q8_1 dot product, which is scalar code, "
+        "and, for prefill, in dequantising every matrix to f32 on each call. The fix is an AVX2 kernel "
+        "(`crates/hrm-model/src/q4_1.rs`) that reads the weights in place, keeps candle's arithmetic "
+        "(decode outputs are bit for bit candle's) and unpacks each block once for several rows, so "
+        f"it serves prefill too. Before: {r['before']}. Each binary ran twice, alternately; the "
+        "better run of each is shown.",
+        ["prompt_tokens", "batch"], "before", "after", over="after")
 
 
 def render(results):
@@ -759,15 +731,11 @@ def render(results):
 def update_doc(path, block):
     with open(path) as f:
         doc = f.read()
-    if BEGIN in doc and END in doc:
-        head, rest = doc.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        doc = head + block + tail
-    else:
-        # A new section before the first existing one.
-        at = doc.find("\n## ")
-        at = len(doc) if at < 0 else at + 1
-        doc = doc[:at] + f"{SECTION}\n\n{INSTALL_PARAGRAPH}\n{block}\n\n" + doc[at:]
+    if BEGIN not in doc or END not in doc:
+        sys.exit(f"{path} has no {BEGIN} ... {END} block to replace")
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    doc = head + block + tail
     with open(path, "w") as f:
         f.write(doc)
 

@@ -293,8 +293,6 @@ pub async fn data(hub: &Hub, worker: &Worker, batch_id: Uuid) -> ApiResult<Bytes
     Ok(hub.blobs.get(&key).await?)
 }
 
-/// Returns expired leases to the queue (or fails batches out of attempts). Safe to run on
-/// every replica at once: each row moves once.
 /// The fraction of all ingested batches that are completed (0 when none were ingested).
 pub async fn completed_fraction(hub: &Hub) -> Result<f64> {
     let row = sqlx::query(
@@ -311,6 +309,8 @@ pub async fn completed_fraction(hub: &Hub) -> Result<f64> {
     })
 }
 
+/// Returns expired leases to the queue (or fails batches out of attempts). Safe to run on
+/// every replica at once: each row moves once.
 pub async fn reap_expired_leases(hub: &Hub) -> Result<usize> {
     let rows = sqlx::query(
         "UPDATE training_batches SET \

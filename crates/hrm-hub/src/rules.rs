@@ -590,7 +590,9 @@ pub fn outliers_by_version(
     for (i, version) in versions.iter().enumerate() {
         groups.entry(version).or_default().push(i);
     }
-    let mut flags = if updates.len() < 3 {
+    // The norm screen is for updates without 2 peers on their version; when every update has
+    // them, its pass over the whole pool is skipped.
+    let mut flags = if updates.len() < 3 || groups.values().all(|m| m.len() >= 3) {
         vec![false; updates.len()]
     } else {
         let norms: Vec<f64> = updates.iter().map(|u| sq_norm(u.values).sqrt()).collect();

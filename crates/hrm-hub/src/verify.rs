@@ -16,7 +16,7 @@ use anyhow::{Context, Result, anyhow};
 use candle_core::Device;
 use hrm_model::train::{ModelSpec, build_with_weights, evaluate};
 use hrm_wire::samples::decode_samples;
-use hrm_wire::update::{ENCODING_KEY, decode_update, read_checkpoint, read_metadata};
+use hrm_wire::update::{decode_update, is_top_k, read_checkpoint};
 use hrm_worker::compute::{local_training, to_tensors, update_on_cpu};
 use sqlx::Row;
 use std::path::Path;
@@ -105,10 +105,7 @@ async fn recompute(hub: &Hub, row: &sqlx::any::AnyRow) -> Result<f64> {
     let (schema, params) =
         read_checkpoint(&checkpoint).map_err(|e| anyhow!("checkpoint {version}: {e}"))?;
     let file = hub.blobs.get(&key).await?;
-    let sparse = read_metadata(&file)
-        .map_err(|e| anyhow!("update {update_id}: {e}"))?
-        .get(ENCODING_KEY)
-        .is_some_and(|encoding| encoding == "topk");
+    let sparse = is_top_k(&file).map_err(|e| anyhow!("update {update_id}: {e}"))?;
     let uploaded =
         decode_update(&file, &schema, &version).map_err(|e| anyhow!("update {update_id}: {e}"))?;
     let samples = decode_samples(&hub.blobs.get(&data_key).await?)?;

@@ -164,8 +164,7 @@ async fn the_network_runs_on_postgres_redis_and_s3() {
         }
     );
     let (_, after) = current_params(&t.hub).await;
-    let mean = weighted_mean(&contributions);
-    let expected: Vec<f32> = before.iter().zip(&mean).map(|(p, d)| p - d).collect();
+    let expected = after_plain_step(&before, &contributions, 1.0);
     assert!(max_abs_diff(&after, &expected) < 1e-6);
     // Uploaded files are gone once aggregated; the checkpoint is in the bucket.
     let current = hrm_hub::versions::current_row(&t.hub)

@@ -140,8 +140,7 @@ async fn workers_train_and_the_hub_publishes_their_weighted_mean() {
     );
     let (version, after) = current_params(&t.hub).await;
     assert_eq!(version, "v0.1.1");
-    let mean = weighted_mean(&contributions);
-    let expected: Vec<f32> = before.iter().zip(&mean).map(|(p, d)| p - d).collect();
+    let expected = after_plain_step(&before, &contributions, 1.0);
     assert!(max_abs_diff(&after, &expected) < 1e-6);
 
     // Metrics recorded with the version; stats and badges counted.
@@ -190,12 +189,7 @@ async fn the_cosine_outer_schedule_shrinks_steps_as_batches_complete() {
     let current = t.admin.current_model().await.unwrap();
     assert!((current.metrics["outer_lr_factor"].as_f64().unwrap() - factor).abs() < 1e-6);
     let (_, after) = current_params(&t.hub).await;
-    let mean = weighted_mean(&contributions);
-    let expected: Vec<f32> = before
-        .iter()
-        .zip(&mean)
-        .map(|(p, d)| p - factor as f32 * d)
-        .collect();
+    let expected = after_plain_step(&before, &contributions, factor as f32);
     assert!(max_abs_diff(&after, &expected) < 1e-6);
 }
 
@@ -455,8 +449,7 @@ async fn outliers_are_rejected_and_cost_reputation() {
         }
     );
     let (_, after) = current_params(&t.hub).await;
-    let mean = weighted_mean(&honest_updates);
-    let expected: Vec<f32> = before.iter().zip(&mean).map(|(p, d)| p - d).collect();
+    let expected = after_plain_step(&before, &honest_updates, 1.0);
     assert!(
         max_abs_diff(&after, &expected) < 1e-6,
         "the poisoned update must not move the model"

@@ -372,55 +372,13 @@ mod avx2 {
 
 /// IEEE binary16 bits to f32 (exact).
 fn f16_to_f32(h: u16) -> f32 {
-    let sign = ((h & 0x8000) as u32) << 16;
-    let exp = ((h >> 10) & 0x1F) as u32;
-    let man = (h & 0x03FF) as u32;
-    match exp {
-        0 => {
-            // Zero or subnormal: man · 2⁻²⁴, exact in f32.
-            let v = man as f32 * (1.0 / 16_777_216.0);
-            if sign != 0 { -v } else { v }
-        }
-        0x1F => f32::from_bits(sign | 0x7F80_0000 | (man << 13)),
-        _ => f32::from_bits(sign | ((exp + 127 - 15) << 23) | (man << 13)),
-    }
+    half::f16::from_bits(h).to_f32()
 }
 
-/// f32 to IEEE binary16 bits, rounding to nearest even: the `half` crate's conversion, which
-/// candle uses for Q8_1's scales.
+/// f32 to IEEE binary16 bits, rounding to nearest even, with the `half` crate candle itself
+/// uses for Q8_1's scales.
 fn f32_to_f16(value: f32) -> u16 {
-    let x = value.to_bits();
-    let sign = x & 0x8000_0000;
-    let exp = x & 0x7F80_0000;
-    let man = x & 0x007F_FFFF;
-    let half_sign = sign >> 16;
-    if exp == 0x7F80_0000 {
-        let nan_bit = if man == 0 { 0 } else { 0x0200 };
-        return (half_sign | 0x7C00 | nan_bit | (man >> 13)) as u16;
-    }
-    let half_exp = ((exp >> 23) as i32) - 127 + 15;
-    if half_exp >= 0x1F {
-        return (half_sign | 0x7C00) as u16;
-    }
-    if half_exp <= 0 {
-        if 14 - half_exp > 24 {
-            return half_sign as u16;
-        }
-        let man = man | 0x0080_0000;
-        let mut half_man = man >> (14 - half_exp);
-        let round_bit = 1 << (13 - half_exp);
-        if (man & round_bit) != 0 && (man & (3 * round_bit - 1)) != 0 {
-            half_man += 1;
-        }
-        return (half_sign | half_man) as u16;
-    }
-    let bits = half_sign | ((half_exp as u32) << 10) | (man >> 13);
-    let round_bit = 0x0000_1000;
-    if (man & round_bit) != 0 && (man & (3 * round_bit - 1)) != 0 {
-        (bits + 1) as u16
-    } else {
-        bits as u16
-    }
+    half::f16::from_f32(value).to_bits()
 }
 
 #[cfg(test)]
@@ -544,46 +502,5 @@ mod tests {
             })
             .collect();
         assert_eq!(&*candle.data().unwrap(), &ours[..]);
-    }
-
-    #[test]
-    fn q4_1_f16_conversions_match_half() {
-        let bits: Vec<u8> = (0..=u16::MAX).flat_map(u16::to_le_bytes).collect();
-        let widened = Tensor::from_raw_buffer(&bits, DType::F16, &[1 << 16], &Device::Cpu)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        for (h, &expected) in (0..=u16::MAX).zip(&widened) {
-            let got = f16_to_f32(h);
-            assert!(
-                got.to_bits() == expected.to_bits() || (got.is_nan() && expected.is_nan()),
-                "{h:#06x}: {got} vs {expected}"
-            );
-        }
-        // Every finite f16 and the midpoints between neighbours (the ties), plus a sweep of f32.
-        let mut values: Vec<f32> = (0..0x7BFFu16)
-            .flat_map(|h| {
-                let (a, b) = (f16_to_f32(h), f16_to_f32(h + 1));
-                [a, (a + b) / 2.0, -(a + b) / 2.0, b * 0.999_99]
-            })
-            .collect();
-        values.extend((0..u32::MAX).step_by(4099).map(f32::from_bits));
-        let rounded = Tensor::new(values.as_slice(), &Device::Cpu)
-            .unwrap()
-            .to_dtype(DType::F16)
-            .unwrap()
-            .to_dtype(DType::F32)
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        for (&v, &expected) in values.iter().zip(&rounded) {
-            let got = f16_to_f32(f32_to_f16(v));
-            assert!(
-                got.to_bits() == expected.to_bits() || (got.is_nan() && expected.is_nan()),
-                "{v:e}: {got} vs {expected}"
-            );
-        }
     }
 }

@@ -206,6 +206,19 @@ pub fn encode_update(
     }
 }
 
+/// Whether an update file holds top-k values with their indices rather than every value.
+pub fn is_top_k(bytes: &[u8]) -> Result<bool, UpdateError> {
+    is_sparse(&read_metadata(bytes)?)
+}
+
+fn is_sparse(metadata: &HashMap<String, String>) -> Result<bool, UpdateError> {
+    match metadata.get(ENCODING_KEY).map(String::as_str) {
+        Some("dense") => Ok(false),
+        Some("topk") => Ok(true),
+        other => Err(UpdateError::Encoding(other.map(str::to_string))),
+    }
+}
+
 /// Decodes and checks an uploaded update against the model's schema: the format marker, the
 /// base version, every tensor's name, shape and dtype, no NaN or Inf, and for sparse files the
 /// indices. Returns the dense flat update.
@@ -226,11 +239,7 @@ pub fn decode_update(
             found: base,
         });
     }
-    let sparse = match metadata.get(ENCODING_KEY).map(String::as_str) {
-        Some("dense") => false,
-        Some("topk") => true,
-        other => return Err(UpdateError::Encoding(other.map(str::to_string))),
-    };
+    let sparse = is_sparse(&metadata)?;
     let expected_names: BTreeSet<String> = schema
         .params
         .iter()

@@ -318,6 +318,15 @@ pub fn weighted_mean(updates: &[(Vec<f32>, i64)]) -> Vec<f32> {
         .collect()
 }
 
+/// The parameters a plain outer step of `lr` over the contributions' weighted mean leaves.
+pub fn after_plain_step(before: &[f32], contributions: &[(Vec<f32>, i64)], lr: f32) -> Vec<f32> {
+    before
+        .iter()
+        .zip(weighted_mean(contributions))
+        .map(|(p, d)| p - lr * d)
+        .collect()
+}
+
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter()
