@@ -3,7 +3,7 @@
 //! was told to (same version, batch, plan and seed) and compares them by cosine similarity
 //! (for top-k uploads, on the values sent).
 //! Agreement raises the worker's reputation; disagreement costs it and un-counts the batch.
-//! The recomputation is the worker's own code (`hrm_worker::compute`), so an honest upload and
+//! The recomputation is the workers' own code (`hrm_model::train::update_on_cpu`), so an honest upload and
 //! the hub's check of it cannot drift apart.
 
 use crate::Hub;
@@ -14,10 +14,10 @@ use crate::versions::{self, LoadedVersion};
 use crate::workers::adjust_reputation;
 use anyhow::{Context, Result, anyhow};
 use candle_core::Device;
+use hrm_model::train::{LocalTraining, to_tensors, update_on_cpu};
 use hrm_model::train::{ModelSpec, build_with_weights, evaluate};
 use hrm_wire::samples::decode_samples;
 use hrm_wire::update::{decode_update, is_top_k, read_checkpoint};
-use hrm_worker::compute::{local_training, to_tensors, update_on_cpu};
 use sqlx::Row;
 use std::path::Path;
 
@@ -110,7 +110,7 @@ async fn recompute(hub: &Hub, row: &sqlx::any::AnyRow) -> Result<f64> {
         decode_update(&file, &schema, &version).map_err(|e| anyhow!("update {update_id}: {e}"))?;
     let samples = decode_samples(&hub.blobs.get(&data_key).await?)?;
     let spec = spec_of(&version_row.config)?;
-    let plan = local_training(&crate::batches::plan_for(hub, &batch_id), MICRO_BATCH);
+    let plan = LocalTraining::from_plan(&crate::batches::plan_for(hub, &batch_id), MICRO_BATCH);
     let recomputed = tokio::task::spawn_blocking(move || -> Result<Vec<f32>> {
         Ok(update_on_cpu(&spec, &schema, &params, &samples, &plan)?.flat)
     })

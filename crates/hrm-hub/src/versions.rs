@@ -240,7 +240,7 @@ pub async fn init_fresh(hub: &Hub, config_path: &Path, seed: u64) -> Result<Mode
         tensors.insert(name, var.as_tensor().clone());
     }
     let schema = Schema::new(specs);
-    let params = hrm_worker::compute::to_flat(&schema, &tensors)?;
+    let params = hrm_model::train::to_flat(&schema, &tensors)?;
     let source = format!("{} (initialised with seed {seed})", config_path.display());
     publish_first(hub, config, &schema, &params, source).await
 }

@@ -744,7 +744,7 @@ async fn the_dashboard_and_public_routes_need_no_key() {
 #[tokio::test]
 async fn re_verification_recomputes_updates_and_moves_reputation() {
     use hrm_model::train::ModelSpec;
-    use hrm_worker::compute::{local_training, update_on_cpu};
+    use hrm_model::train::{LocalTraining, update_on_cpu};
     let t = start(policy(&["--verify-fraction", "1"]), 4).await;
     let info = t.admin.current_model().await.unwrap();
     let spec = ModelSpec::from_config_json(
@@ -763,7 +763,7 @@ async fn re_verification_recomputes_updates_and_moves_reputation() {
             &worker.client.download(&batch.data_url).await.unwrap(),
         )
         .unwrap();
-        let plan = local_training(&batch.plan, 2);
+        let plan = LocalTraining::from_plan(&batch.plan, 2);
         let delta = update_on_cpu(spec, &schema, &params, &samples, &plan)
             .unwrap()
             .flat;

@@ -4,11 +4,13 @@
 //! ([`update`]), the gzip JSON-lines batch files ([`samples`]), and a small typed HTTP client
 //! ([`client`]).
 
+#[cfg(feature = "client")]
 pub mod client;
 pub mod messages;
 pub mod samples;
 pub mod update;
 
+#[cfg(feature = "client")]
 pub use client::{ClientError, HubClient};
 pub use messages::*;
 pub use update::{Encoding, ParamSpec, Schema, UpdateError};

@@ -13,13 +13,13 @@
 
 use crate::cache::CheckpointCache;
 use crate::compress::UpdateEncoder;
-use crate::compute::{TrainedUpdate, local_training, to_tensors, train_on_batch};
 use crate::config::{BatchSize, WorkerConfig};
 use crate::resources::{MemoryEstimate, ResourceArgs};
 use crate::status::{BatchProgress, Status, WorkerState};
 use anyhow::{Context, Result, anyhow, bail};
 use candle_core::{Device, Tensor};
 use hrm_model::train::ModelSpec;
+use hrm_model::train::{LocalTraining, TrainedUpdate, to_tensors, train_on_batch};
 use hrm_wire::samples::decode_samples;
 use hrm_wire::update::{Schema, read_checkpoint};
 use hrm_wire::{
@@ -358,7 +358,7 @@ impl Worker {
             .unwrap_or(1)
             .saturating_sub(1);
         let micro_batch = self.micro_batch(model, seq_len)?;
-        let plan = local_training(&batch.plan, micro_batch);
+        let plan = LocalTraining::from_plan(&batch.plan, micro_batch);
         let per_step = samples.len().div_ceil(plan.inner_steps.max(1));
         let steps = samples.len().div_ceil(per_step.max(1));
         self.status.update(|v| {

@@ -5,13 +5,13 @@
 use anyhow::{Context, Result, bail};
 use candle_core::Device;
 use clap::{Args, ValueEnum};
+use hrm_model::train::{LocalTraining, update_on_cpu};
 use hrm_model::train::{
     ModelSpec, build_with_weights, corpus_tokens, evaluate, evaluation_windows,
 };
 use hrm_wire::samples::decode_samples;
 use hrm_wire::update::{Encoding, Schema, encode_update, read_checkpoint};
 use hrm_wire::{GradientUpload, Hardware, HubClient};
-use hrm_worker::compute::{local_training, update_on_cpu};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 use std::path::PathBuf;
@@ -84,7 +84,7 @@ pub fn run_hostile(args: HostileArgs) -> Result<()> {
                 schema,
                 params,
                 &samples,
-                &local_training(&batch.plan, 8),
+                &LocalTraining::from_plan(&batch.plan, 8),
             )?;
             let poisoned: Vec<f32> = match args.mode {
                 Poison::Scale => honest.flat.iter().map(|v| v * args.factor).collect(),

@@ -1,0 +1,201 @@
+//! The training objective and one optimiser step over accumulated micro-batches.
+
+use std::collections::HashMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarMap;
+use serde::Serialize;
+
+use super::{AdamW, AdamWConfig, LrSchedule, ModelSpec, build_with_weights, trainable_vars};
+use crate::{CausalLm, Error, ForwardBatch, Logits, Result};
+
+/// The parts of the training objective of one batch.
+pub struct Loss {
+    /// What is differentiated: `cross_entropy + aux_coef * aux`.
+    pub total: Tensor,
+    pub cross_entropy: Tensor,
+    pub aux: Option<Tensor>,
+}
+
+/// Next-token cross-entropy over equal-length rows (each row predicts its tokens 1..n from
+/// 0..n-1), plus the weighted load-balancing loss for mixture-of-experts models.
+pub fn lm_loss(model: &dyn CausalLm, rows: &[Vec<u32>], aux_coef: f64) -> Result<Loss> {
+    let len = rows.first().map_or(0, Vec::len);
+    if len < 2 || rows.iter().any(|r| r.len() != len) {
+        return Err(Error::InvalidInput(
+            "training rows need equal lengths of at least 2 tokens".into(),
+        ));
+    }
+    let inputs: Vec<Vec<u32>> = rows.iter().map(|r| r[..len - 1].to_vec()).collect();
+    let labels: Vec<u32> = rows.iter().flat_map(|r| r[1..].iter().copied()).collect();
+    let info = model.info();
+    let blocks = vec![0; rows.len()];
+    let mut batch = ForwardBatch::full_pass(&inputs, &blocks, Logits::All, info)?;
+    let out = model.forward(&mut batch)?;
+    let logits = out.logits.flatten_to(1)?.to_dtype(DType::F32)?;
+    let labels = Tensor::from_vec(labels, logits.dim(0)?, &info.device)?;
+    let cross_entropy = candle_nn::loss::cross_entropy(&logits, &labels)?;
+    let total = match &out.aux_loss {
+        Some(aux) if aux_coef > 0.0 => (&cross_entropy + (aux.to_dtype(DType::F32)? * aux_coef)?)?,
+        _ => cross_entropy.clone(),
+    };
+    Ok(Loss {
+        total,
+        cross_entropy,
+        aux: out.aux_loss,
+    })
+}
+
+/// Mean cross-entropy of `model` over `rows`, in micro-batches of `micro_batch` rows.
+pub fn evaluate(model: &dyn CausalLm, rows: &[Vec<u32>], micro_batch: usize) -> Result<f64> {
+    let mut total = 0.0;
+    let mut count = 0usize;
+    for chunk in rows.chunks(micro_batch.max(1)) {
+        let loss = lm_loss(model, chunk, 0.0)?;
+        let n = chunk.iter().map(|r| r.len() - 1).sum::<usize>();
+        total += f64::from(loss.cross_entropy.to_scalar::<f32>()?) * n as f64;
+        count += n;
+    }
+    Ok(total / count.max(1) as f64)
+}
+
+/// What one optimiser step did.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepReport {
+    pub loss: f32,
+    pub cross_entropy: f32,
+    pub aux: Option<f32>,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f32,
+    pub lr: f64,
+    pub tokens: usize,
+}
+
+/// A model being trained: its variables, the optimiser and the schedule.
+pub struct Trainer {
+    pub spec: ModelSpec,
+    pub varmap: VarMap,
+    pub model: Box<dyn CausalLm>,
+    pub optimizer: AdamW,
+    pub schedule: LrSchedule,
+    /// Global gradient norm limit (0 disables clipping).
+    pub grad_clip: f64,
+}
+
+impl Trainer {
+    /// A freshly initialised model.
+    pub fn new(
+        spec: ModelSpec,
+        seed: u64,
+        schedule: LrSchedule,
+        optimizer: AdamWConfig,
+        grad_clip: f64,
+        device: &Device,
+    ) -> Result<Self> {
+        let varmap = VarMap::new();
+        let model = spec.build(&varmap, DType::F32, device)?;
+        spec.initialise(&varmap, seed)?;
+        Self::assemble(spec, varmap, model, schedule, optimizer, grad_clip)
+    }
+
+    fn assemble(
+        spec: ModelSpec,
+        varmap: VarMap,
+        model: Box<dyn CausalLm>,
+        schedule: LrSchedule,
+        optimizer: AdamWConfig,
+        grad_clip: f64,
+    ) -> Result<Self> {
+        let optimizer = AdamW::new(trainable_vars(&varmap), optimizer)?;
+        Ok(Self {
+            spec,
+            varmap,
+            model,
+            optimizer,
+            schedule,
+            grad_clip,
+        })
+    }
+
+    /// A model whose variables start from `weights` (see [`build_with_weights`]).
+    pub fn from_weights(
+        spec: ModelSpec,
+        weights: &HashMap<String, Tensor>,
+        schedule: LrSchedule,
+        optimizer: AdamWConfig,
+        grad_clip: f64,
+        device: &Device,
+    ) -> Result<Self> {
+        let (varmap, model) = build_with_weights(&spec, weights, device)?;
+        Self::assemble(spec, varmap, model, schedule, optimizer, grad_clip)
+    }
+
+    /// One optimiser step over `micro_batches` (each a list of equal-length rows); gradients are
+    /// averaged over the micro-batches, so the step equals one over their union.
+    pub fn step(&mut self, micro_batches: &[Vec<Vec<u32>>]) -> Result<StepReport> {
+        let params = trainable_vars(&self.varmap);
+        let n = micro_batches.len().max(1) as f64;
+        let coef = self.spec.aux_loss_coef();
+        let mut summed: HashMap<String, Tensor> = HashMap::new();
+        let (mut loss_sum, mut ce_sum, mut aux_sum, mut tokens) = (0f32, 0f32, None::<f32>, 0);
+        for rows in micro_batches {
+            let loss = lm_loss(self.model.as_ref(), rows, coef)?;
+            let grads: GradStore = (&loss.total / n)?.backward()?;
+            for (name, var) in &params {
+                if let Some(g) = grads.get(var.as_tensor()) {
+                    let acc = match summed.remove(name) {
+                        Some(prev) => (prev + g)?,
+                        None => g.clone(),
+                    };
+                    summed.insert(name.clone(), acc);
+                }
+            }
+            loss_sum += loss.total.to_scalar::<f32>()?;
+            ce_sum += loss.cross_entropy.to_scalar::<f32>()?;
+            if let Some(aux) = &loss.aux {
+                *aux_sum.get_or_insert(0.0) += aux.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+            }
+            tokens += rows.iter().map(|r| r.len() - 1).sum::<usize>();
+        }
+        let grad_norm = global_norm(&summed)?;
+        if self.grad_clip > 0.0 && f64::from(grad_norm) > self.grad_clip {
+            let scale = self.grad_clip / f64::from(grad_norm);
+            for g in summed.values_mut() {
+                *g = (&*g * scale)?;
+            }
+        }
+        let lr = self.schedule.at(self.optimizer.steps());
+        self.optimizer.step(&summed, lr)?;
+        let n = n as f32;
+        Ok(StepReport {
+            loss: loss_sum / n,
+            cross_entropy: ce_sum / n,
+            aux: aux_sum.map(|a| a / n),
+            grad_norm,
+            lr,
+            tokens,
+        })
+    }
+
+    /// Mean cross-entropy over `rows` (no gradients), in micro-batches of `micro_batch` rows.
+    pub fn evaluate(&self, rows: &[Vec<u32>], micro_batch: usize) -> Result<f64> {
+        evaluate(self.model.as_ref(), rows, micro_batch)
+    }
+}
+
+fn global_norm(grads: &HashMap<String, Tensor>) -> Result<f32> {
+    let mut names: Vec<&String> = grads.keys().collect();
+    names.sort();
+    let mut sum = 0f64;
+    for name in names {
+        sum += f64::from(
+            grads[name]
+                .sqr()?
+                .sum_all()?
+                .to_dtype(DType::F32)?
+                .to_scalar::<f32>()?,
+        );
+    }
+    Ok(sum.sqrt() as f32)
+}
