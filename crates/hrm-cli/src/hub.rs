@@ -20,6 +20,34 @@ pub enum HubCommand {
     Rollback(RollbackArgs),
     /// List the model versions and their metrics.
     Versions(StorageOnly),
+    /// Offer failed batches (out of attempts) again now, without waiting for their cool-down.
+    Requeue(RequeueArgs),
+    /// List the updates of rounds held because they raised the validation loss, and release
+    /// them (to the next aggregation) or reject them (their batches are redone).
+    Held(HeldArgs),
+}
+
+#[derive(Args)]
+pub struct RequeueArgs {
+    /// One failed batch (default: every failed batch).
+    #[arg(long)]
+    batch: Option<uuid::Uuid>,
+    #[command(flatten)]
+    storage: StorageArgs,
+}
+
+#[derive(Args)]
+#[group(id = "decision", multiple = false)]
+pub struct HeldArgs {
+    /// Put them back to pending: the next aggregation applies them (the validation-loss check
+    /// still runs).
+    #[arg(long)]
+    release: bool,
+    /// Reject them, without a reputation penalty; their batches are redone.
+    #[arg(long)]
+    reject: bool,
+    #[command(flatten)]
+    storage: StorageArgs,
 }
 
 #[derive(Args)]
@@ -34,6 +62,8 @@ pub struct ServeArgs {
     storage: StorageArgs,
     #[command(flatten)]
     policy: PolicyArgs,
+    #[command(flatten)]
+    connections: hrm_http::ConnectionArgs,
 }
 
 #[derive(Args)]
@@ -135,6 +165,13 @@ pub fn run(command: HubCommand) -> Result<()> {
                 println!("current version is now {}", info.version);
                 Ok(())
             }
+            HubCommand::Requeue(args) => {
+                let hub = open(&args.storage).await?;
+                let count = hrm_hub::batches::requeue_failed(&hub, args.batch).await?;
+                println!("{count} failed batches are pending again");
+                Ok(())
+            }
+            HubCommand::Held(args) => held(args).await,
             HubCommand::Versions(args) => {
                 let hub = open(&args.storage).await?;
                 let current = hrm_hub::versions::current_version(&hub).await?;
@@ -169,6 +206,7 @@ async fn serve(args: ServeArgs) -> Result<()> {
         _ => None,
     };
     let policy = args.policy.policy()?;
+    let limits = args.connections.limits()?;
     let hub = Hub::open(&args.storage, policy, admin_key.as_deref()).await?;
     let listener = tokio::net::TcpListener::bind(&args.addr)
         .await
@@ -186,10 +224,35 @@ async fn serve(args: ServeArgs) -> Result<()> {
             "no model yet: run `hrm hub init --model DIR` with the same storage settings"
         );
     }
-    hrm_hub::serve(hub, listener, async {
-        let _ = tokio::signal::ctrl_c().await;
-    })
-    .await
+    hrm_hub::serve(hub, listener, &limits, hrm_http::shutdown_signal()).await
+}
+
+async fn held(args: HeldArgs) -> Result<()> {
+    let hub = open(&args.storage).await?;
+    let held = hrm_hub::store::updates::held(&hub.db.pool).await?;
+    for u in &held {
+        println!(
+            "{} worker {} batch {} on {}: {}",
+            u.update_id,
+            u.worker_id,
+            u.batch_id,
+            u.model_version,
+            u.reason.as_deref().unwrap_or("-")
+        );
+    }
+    if args.release {
+        let count = hrm_hub::updates::release_held(&hub).await?;
+        println!("{count} held updates are pending again");
+    } else if args.reject {
+        let count = hrm_hub::updates::reject_held(&hub).await?;
+        println!("{count} held updates rejected; their batches will be redone");
+    } else {
+        println!(
+            "{} held updates (--release or --reject to decide)",
+            held.len()
+        );
+    }
+    Ok(())
 }
 
 async fn ingest(args: IngestArgs) -> Result<()> {

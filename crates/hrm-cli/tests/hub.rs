@@ -51,6 +51,8 @@ impl Server {
             .arg("--data-dir")
             .arg(data)
             .args(["--aggregation-interval", "3600", "--verify-fraction", "0"])
+            // The simulated clients send made-up updates: no probation, no norm screen.
+            .args(["--probation-agreements", "0", "--norm-bound", "0"])
             .args(extra)
             .env("HRM_HUB_ADMIN_KEY", ADMIN_KEY)
             .stderr(Stdio::null())

@@ -1,26 +1,35 @@
-//! Aggregation: reads up to `--max-updates` pending updates, screens outliers, combines the
-//! rest with the configured rule, applies the result with the outer optimiser, writes the new
-//! checkpoint, and only then publishes the version and marks its updates in one transaction.
+//! Aggregation: reads up to `--max-updates` eligible pending updates, screens each one (stale
+//! version, file changed since acceptance, unreadable, norm outside the bounds of honest
+//! updates), sends the ones the outlier screen or the near-duplicate check flags to
+//! re-verification, combines the rest with the configured rule and applies the result with the
+//! outer optimiser. Before anything is published, the candidate's validation loss is compared
+//! with its parent's: a rise beyond `--max-loss-increase` sends the round's unverified updates
+//! to re-verification and recombines without them; if every update in the round was verified,
+//! the round is held for the operator. Only then are the checkpoint written and the version and
+//! every verdict recorded in one transaction.
 //!
 //! Exactly one aggregator runs at a time across replicas (the database lock in [`crate::db`]).
 //! A crash before the publishing transaction leaves every update pending and at most an
 //! unreferenced checkpoint file; a crash after it leaves only queue entries that the next run
 //! discards. Nothing is lost and nothing counts twice: the crash tests abort at every [`Step`].
+//!
+//! One bad update never stops a round: a missing, changed or unreadable file is a verdict on
+//! that update alone.
 
 use crate::Hub;
 use crate::db::now_ms;
 use crate::queue::UPDATES;
-use crate::rules::{self, OuterSchedule, OuterState, RuleError, Update};
-use crate::trust::{REPUTATION_AGGREGATED, REPUTATION_OUTLIER};
-use crate::versions::{self, LoadedVersion, VersionRow, checkpoint_key, optimizer_key, sha256_hex};
-use crate::workers::adjust_reputation;
+use crate::rules::{self, OuterSchedule, OuterState, RuleError, Update, l2_norm};
+use crate::store::updates::PendingUpdate;
+use crate::store::{self, versions::VersionRow};
+use crate::trust::{self, REPUTATION_AGGREGATED, REPUTATION_INVALID};
+use crate::versions::{self, LoadedVersion, checkpoint_key, optimizer_key, sha256_hex};
 use anyhow::{Result, anyhow, bail};
 use bytes::Bytes;
 use hrm_wire::update::{
     ParamSpec, Schema, decode_update, read_checkpoint, read_metadata, write_checkpoint,
 };
 use hrm_wire::{AggregateOutcome, StatusEvent};
-use sqlx::{AssertSqlSafe, Row};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -51,12 +60,12 @@ fn checkpoint_fault(hub: &Hub, step: Step) -> Result<()> {
     Ok(())
 }
 
-/// Runs one aggregation if at least `min_pending` updates are pending. `Ok(None)` when another
-/// aggregator holds the lock.
+/// Runs one aggregation if at least `min_pending` updates may be aggregated. `Ok(None)` when
+/// another aggregator holds the lock.
 pub async fn aggregate(hub: &Hub, min_pending: usize) -> Result<Option<AggregateOutcome>> {
-    let pending = crate::updates::pending_count(hub).await?;
-    if pending < min_pending.max(1) as i64 {
-        return Ok(Some(AggregateOutcome::Waiting { pending }));
+    let eligible = store::updates::eligible_count(&hub.db.pool).await?;
+    if eligible < min_pending.max(1) as i64 {
+        return Ok(Some(AggregateOutcome::Waiting { pending: eligible }));
     }
     let Some(lock) = hub.db.try_lock_aggregator().await? else {
         return Ok(None);
@@ -68,14 +77,11 @@ pub async fn aggregate(hub: &Hub, min_pending: usize) -> Result<Option<Aggregate
     Ok(Some(outcome))
 }
 
-/// A pending `gradient_updates` row.
-struct Pending {
-    update_id: String,
-    worker_id: String,
-    batch_id: String,
-    model_version: String,
-    key: String,
-    num_samples: i64,
+/// A rejection, and whether it is the worker's own doing (and so costs reputation).
+struct Rejection {
+    index: usize,
+    reason: String,
+    penalty: bool,
 }
 
 /// What became of each pending update.
@@ -84,73 +90,111 @@ struct Verdicts {
     aggregated: Vec<usize>,
     /// Not chosen by Krum: consumed without penalty.
     discarded: Vec<usize>,
-    /// Outliers and unreadable files, with the reason.
-    rejected: Vec<(usize, String)>,
+    rejected: Vec<Rejection>,
     /// Computed on a version too far behind (or on an abandoned line).
     stale: Vec<usize>,
+    /// Back to pending, to be aggregated only once a re-verification agrees, with the reason.
+    suspects: Vec<(usize, String)>,
+    /// Held for the operator, with the reason.
+    held: Vec<(usize, String)>,
 }
 
-const PENDING_COLUMNS: &str =
-    "update_id, worker_id, batch_id, model_version, gradient_url, num_samples";
-
-fn parse_pending(row: &sqlx::any::AnyRow) -> sqlx::Result<Pending> {
-    Ok(Pending {
-        update_id: row.try_get("update_id")?,
-        worker_id: row.try_get("worker_id")?,
-        batch_id: row.try_get("batch_id")?,
-        model_version: row.try_get("model_version")?,
-        key: row.try_get("gradient_url")?,
-        num_samples: row.try_get("num_samples")?,
-    })
-}
-
-/// The pending updates to aggregate, in upload order: those the queue names, topped up from
-/// the database (and the queue rebuilt) when the queue has fallen behind it.
-async fn pending_updates(hub: &Hub) -> Result<Vec<Pending>> {
-    let max = hub.policy.max_updates;
-    let queued = hub.queue.peek(UPDATES, max).await.unwrap_or_default();
-    let mut rows = Vec::new();
-    if !queued.is_empty() {
-        let placeholders: Vec<String> = (1..=queued.len()).map(|i| format!("${i}")).collect();
-        let sql = format!(
-            "SELECT {PENDING_COLUMNS} FROM gradient_updates WHERE status = 'pending' AND update_id IN ({}) ORDER BY uploaded_at",
-            placeholders.join(", ")
-        );
-        let mut query = sqlx::query(AssertSqlSafe(sql));
-        for id in &queued {
-            query = query.bind(id);
-        }
-        rows = query.fetch_all(&hub.db.pool).await?;
+impl Verdicts {
+    fn reject(&mut self, index: usize, reason: impl Into<String>, penalty: bool) {
+        self.rejected.push(Rejection {
+            index,
+            reason: reason.into(),
+            penalty,
+        });
     }
-    let pending = crate::updates::pending_count(hub).await?;
-    if rows.len() < max && (rows.len() as i64) < pending {
-        let all: Vec<String> = sqlx::query_scalar(
-            "SELECT update_id FROM gradient_updates WHERE status = 'pending' ORDER BY uploaded_at",
-        )
-        .fetch_all(&hub.db.pool)
-        .await?;
+}
+
+/// The eligible pending updates, in upload order: those the queue names, topped up from the
+/// database (and the queue rebuilt) when the queue has fallen behind it.
+async fn pending_updates(hub: &Hub) -> Result<Vec<PendingUpdate>> {
+    let max = hub.policy.max_updates;
+    let pool = &hub.db.pool;
+    let queued = hub.queue.peek(UPDATES, max).await.unwrap_or_default();
+    let mut rows = if queued.is_empty() {
+        Vec::new()
+    } else {
+        store::updates::eligible(pool, Some(&queued), max).await?
+    };
+    let eligible = store::updates::eligible_count(pool).await?;
+    if rows.len() < max && (rows.len() as i64) < eligible {
+        let all = store::updates::pending_ids(pool).await?;
         if let Err(e) = hub.queue.replace(UPDATES, &all).await {
             tracing::warn!(error = %e, "could not rebuild the update queue");
         }
-        rows = sqlx::query(AssertSqlSafe(format!(
-            "SELECT {PENDING_COLUMNS} FROM gradient_updates WHERE status = 'pending' ORDER BY uploaded_at LIMIT $1"
-        )))
-        .bind(max as i64)
-        .fetch_all(&hub.db.pool)
-        .await?;
+        rows = store::updates::eligible(pool, None, max).await?;
     }
-    rows.iter()
-        .map(|r| parse_pending(r).map_err(Into::into))
-        .collect()
+    Ok(rows)
+}
+
+/// Why an update's file could not be used.
+enum Unusable {
+    Missing,
+    /// Not the bytes that were accepted (an S3 object written again through its URL).
+    Changed,
+    Invalid(String),
+}
+
+/// The update's values, read with the size limit and checked against what was accepted.
+async fn read_update(
+    hub: &Hub,
+    update: &PendingUpdate,
+    schema: &Schema,
+) -> Result<std::result::Result<Vec<f32>, Unusable>> {
+    let limit = crate::updates::max_update_bytes(schema.num_parameters());
+    let bytes = match hub.blobs.get_bounded(&update.key, limit).await? {
+        None => return Ok(Err(Unusable::Missing)),
+        Some(crate::blobs::Bounded::TooLarge(_)) => return Ok(Err(Unusable::Changed)),
+        Some(crate::blobs::Bounded::Fits(bytes)) => bytes,
+    };
+    if update
+        .sha256
+        .as_ref()
+        .is_some_and(|accepted| *accepted != sha256_hex(&bytes))
+    {
+        return Ok(Err(Unusable::Changed));
+    }
+    Ok(decode_update(&bytes, schema, &update.model_version)
+        .map_err(|e| Unusable::Invalid(e.to_string())))
+}
+
+/// The validation loss of `version`'s parameters: recorded in its metrics, or computed once
+/// and remembered.
+async fn valid_loss_of(hub: &Hub, row: &VersionRow, loaded: &LoadedVersion) -> Result<Option<f64>> {
+    if let Some(loss) = row.metrics.get("valid_loss").and_then(|v| v.as_f64()) {
+        return Ok(Some(loss));
+    }
+    if let Some(loss) = hub
+        .valid_losses
+        .lock()
+        .expect("loss cache")
+        .get(&row.version)
+    {
+        return Ok(Some(*loss));
+    }
+    let loss = crate::verify::validation_loss(hub, loaded).await?;
+    if let Some(loss) = loss {
+        hub.valid_losses
+            .lock()
+            .expect("loss cache")
+            .insert(row.version.clone(), loss);
+    }
+    Ok(loss)
 }
 
 async fn run_locked(hub: &Hub) -> Result<AggregateOutcome> {
     checkpoint_fault(hub, Step::Locked)?;
+    let policy = &hub.policy;
     let head = versions::current_row(hub)
         .await?
         .ok_or_else(|| anyhow!("the hub has no model yet"))?;
     let model = hub.model.get(hub, &head.version).await?;
     let pending = pending_updates(hub).await?;
+    let (norm_reference, _) = store::versions::norm_reference(&hub.db.pool).await?;
 
     let mut verdicts = Verdicts::default();
     let mut candidates: Vec<(usize, Vec<f32>)> = Vec::new();
@@ -159,7 +203,7 @@ async fn run_locked(hub: &Hub) -> Result<AggregateOutcome> {
             hub,
             &head.version,
             &update.model_version,
-            hub.policy.max_staleness,
+            policy.max_staleness,
         )
         .await?
         .is_none()
@@ -167,74 +211,172 @@ async fn run_locked(hub: &Hub) -> Result<AggregateOutcome> {
             verdicts.stale.push(i);
             continue;
         }
-        let bytes = hub.blobs.get(&update.key).await?;
-        match decode_update(&bytes, &model.schema, &update.model_version) {
-            Ok(values) => candidates.push((i, values)),
-            Err(e) => verdicts
-                .rejected
-                .push((i, format!("unreadable at aggregation: {e}"))),
+        let values = match read_update(hub, update, &model.schema).await? {
+            Ok(values) => values,
+            Err(Unusable::Missing) => {
+                verdicts.reject(i, "the update file is missing from the store", false);
+                continue;
+            }
+            Err(Unusable::Changed) => {
+                verdicts.reject(i, "the update file changed after it was accepted", true);
+                continue;
+            }
+            Err(Unusable::Invalid(e)) => {
+                verdicts.reject(i, format!("unreadable at aggregation: {e}"), true);
+                continue;
+            }
+        };
+        if let Some(bound) = policy.norm_bound {
+            let norm = l2_norm(&values);
+            match norm_reference {
+                None => {
+                    verdicts
+                        .suspects
+                        .push((i, "no norm reference yet: re-verified first".into()));
+                    continue;
+                }
+                Some(reference) if !trust::norm_within(norm, reference, bound) => {
+                    verdicts.reject(
+                        i,
+                        format!(
+                            "norm {norm:.3e} is outside [{:.3e}, {:.3e}], the bounds of honest updates",
+                            reference / bound,
+                            reference * bound
+                        ),
+                        true,
+                    );
+                    continue;
+                }
+                Some(_) => {}
+            }
         }
+        candidates.push((i, values));
     }
-    let views: Vec<Update<'_>> = candidates
-        .iter()
-        .map(|(i, values)| Update {
-            values,
-            num_samples: pending[*i].num_samples.max(0) as u64,
-        })
-        .collect();
-    let versions: Vec<&str> = candidates
-        .iter()
-        .map(|(i, _)| pending[*i].model_version.as_str())
-        .collect();
-    let outliers = rules::outliers_by_version(&views, &versions, hub.policy.outlier_sigmas);
-    let kept: Vec<usize> = (0..views.len()).filter(|&j| !outliers[j]).collect();
-    for j in (0..views.len()).filter(|&j| outliers[j]) {
-        verdicts.rejected.push((
-            candidates[j].0,
-            format!("outlier beyond {} sigmas", hub.policy.outlier_sigmas),
-        ));
-    }
-    let kept_views: Vec<Update<'_>> = kept
-        .iter()
-        .map(|&j| Update {
-            values: views[j].values,
-            num_samples: views[j].num_samples,
-        })
-        .collect();
-    let combined = match rules::combine(hub.policy.rule, &kept_views) {
-        Ok(combined) => Some(combined),
-        Err(RuleError::NoUpdates | RuleError::TooFewForKrum { .. }) => None,
-        Err(e) => return Err(anyhow!("combining updates: {e}")),
-    };
-    let Some(combined) = combined else {
-        // Nothing to apply: record the verdicts reached so far; the rest stay pending.
-        if !verdicts.rejected.is_empty() || !verdicts.stale.is_empty() {
-            mark(hub, &pending, &verdicts, None).await?;
-        }
-        return Ok(AggregateOutcome::Waiting {
-            pending: crate::updates::pending_count(hub).await?,
-        });
-    };
-    for (position, &j) in kept.iter().enumerate() {
-        if combined.selected.contains(&position) {
-            verdicts.aggregated.push(candidates[j].0);
-        } else {
-            verdicts.discarded.push(candidates[j].0);
-        }
-    }
-    checkpoint_fault(hub, Step::Combined)?;
 
-    let mut params = model.params.clone();
-    let mut state = load_outer_state(hub, &head).await?;
-    let lr_factor = match hub.policy.outer_schedule {
-        OuterSchedule::Constant => 1.0,
-        schedule => schedule.factor(crate::batches::completed_fraction(hub).await?),
+    // Screens that compare uploads with each other only send them to re-verification: their
+    // verdicts could be set by attackers. Updates verified already are evidence themselves.
+    let verified = |i: usize| pending[i].verification.as_deref() == Some("agreed");
+    let mut flags = {
+        let views = as_updates(&candidates, &pending, &[], policy.probation_agreements);
+        let versions: Vec<&str> = candidates
+            .iter()
+            .map(|(i, _)| pending[*i].model_version.as_str())
+            .collect();
+        let outliers = rules::outliers_by_version(&views, &versions, policy.outlier_sigmas);
+        // Robust rules are what identical colluders aim at (n - f - 1 copies score 0 under
+        // Krum; a majority of copies is the median); the mean has the outlier screen.
+        let copies = if policy.rule != rules::Rule::Mean {
+            rules::near_duplicates(&views)
+        } else {
+            vec![false; views.len()]
+        };
+        (0..views.len())
+            .map(|j| match (outliers[j], copies[j]) {
+                (true, _) => Some(format!("outlier beyond {} sigmas", policy.outlier_sigmas)),
+                (_, true) => Some("nearly identical to another worker's update".to_string()),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
     };
-    hub.policy
-        .outer
-        .scaled(lr_factor)
-        .apply(&mut params, &combined.values, &mut state)
-        .map_err(|e| anyhow!("outer optimiser: {e}"))?;
+    let mut kept: Vec<(usize, Vec<f32>)> = Vec::new();
+    for ((i, values), flag) in candidates.into_iter().zip(flags.drain(..)) {
+        match flag {
+            Some(reason) if !verified(i) => verdicts.suspects.push((i, reason)),
+            _ => kept.push((i, values)),
+        }
+    }
+    let mut agreements = HashMap::new();
+    for (i, _) in &kept {
+        let worker = &pending[*i].worker_id;
+        if !agreements.contains_key(worker) {
+            let a = store::workers::agreements(&hub.db.pool, worker).await?;
+            agreements.insert(worker.clone(), a);
+        }
+    }
+
+    let parent_loss = valid_loss_of(hub, &head, &model).await?;
+    let (params, state, lr_factor, valid_loss) = loop {
+        let views = as_updates(
+            &kept,
+            &pending,
+            &agreements_in(&kept, &pending, &agreements),
+            policy.probation_agreements,
+        );
+        let combined = match rules::combine(policy.rule, &views) {
+            Ok(combined) => combined,
+            Err(RuleError::NoUpdates | RuleError::TooFewForKrum { .. }) => {
+                // Nothing to apply: record the verdicts reached so far; the rest stay pending.
+                mark(hub, &pending, &verdicts, None).await?;
+                return Ok(AggregateOutcome::Waiting {
+                    pending: store::updates::eligible_count(&hub.db.pool).await?,
+                });
+            }
+            Err(e) => return Err(anyhow!("combining updates: {e}")),
+        };
+        checkpoint_fault(hub, Step::Combined)?;
+        let mut params = model.params.clone();
+        let mut state = load_outer_state(hub, &head).await?;
+        let lr_factor = match policy.outer_schedule {
+            OuterSchedule::Constant => 1.0,
+            schedule => schedule.factor(crate::batches::completed_fraction(hub).await?),
+        };
+        policy
+            .outer
+            .scaled(lr_factor)
+            .apply(&mut params, &combined.values, &mut state)
+            .map_err(|e| anyhow!("outer optimiser: {e}"))?;
+        let candidate = LoadedVersion {
+            version: String::new(),
+            schema: model.schema.clone(),
+            params,
+            config: model.config.clone(),
+        };
+        let valid_loss = crate::verify::validation_loss(hub, &candidate).await?;
+        let selected: Vec<usize> = combined.selected.iter().map(|&p| kept[p].0).collect();
+        if let (Some(loss), Some(parent)) = (valid_loss, parent_loss)
+            && loss > parent * (1.0 + policy.max_loss_increase)
+        {
+            let reason =
+                format!("the round raised the validation loss from {parent:.4} to {loss:.4}");
+            let unverified: Vec<usize> =
+                selected.iter().copied().filter(|&i| !verified(i)).collect();
+            if unverified.is_empty() {
+                tracing::error!(
+                    parent_loss = parent,
+                    valid_loss = loss,
+                    updates = selected.len(),
+                    "every update of the round was re-verified, yet it raises the validation loss beyond --max-loss-increase; held for the operator (`hrm hub held`)"
+                );
+                verdicts.held = selected.iter().map(|&i| (i, reason.clone())).collect();
+                mark(hub, &pending, &verdicts, None).await?;
+                return Ok(AggregateOutcome::Held {
+                    held: selected.len() as i64,
+                    valid_loss: loss,
+                    parent_valid_loss: parent,
+                });
+            }
+            tracing::warn!(
+                parent_loss = parent,
+                valid_loss = loss,
+                suspects = unverified.len(),
+                "the round would raise the validation loss; its unverified updates go to re-verification"
+            );
+            for &i in &unverified {
+                verdicts.suspects.push((i, reason.clone()));
+            }
+            kept.retain(|(i, _)| !unverified.contains(i));
+            continue;
+        }
+        for (position, (i, _)) in kept.iter().enumerate() {
+            if combined.selected.contains(&position) {
+                verdicts.aggregated.push(*i);
+            } else {
+                verdicts.discarded.push(*i);
+            }
+        }
+        break (candidate.params, state, lr_factor, valid_loss);
+    };
+
     let version = versions::next_name(hub).await?;
     let checkpoint = Bytes::from(write_checkpoint(
         &model.schema,
@@ -265,17 +407,24 @@ async fn run_locked(hub: &Hub) -> Result<AggregateOutcome> {
         params,
         config: model.config.clone(),
     });
+    let aggregated_losses: Vec<f64> = verdicts
+        .aggregated
+        .iter()
+        .map(|&i| pending[i].loss)
+        .collect();
     let mut metrics = serde_json::json!({
         "num_updates": verdicts.aggregated.len(),
         "rejected": verdicts.rejected.len(),
         "discarded": verdicts.discarded.len(),
         "stale": verdicts.stale.len(),
-        "rule": format!("{:?}", hub.policy.rule),
-        "outer": hub.policy.outer.name(),
+        "sent_to_verification": verdicts.suspects.len(),
+        "rule": format!("{:?}", policy.rule),
+        "outer": policy.outer.name(),
         "outer_lr_factor": lr_factor,
-        "train_loss": mean_loss(hub, &pending, &verdicts.aggregated).await?,
+        "train_loss": (!aggregated_losses.is_empty())
+            .then(|| aggregated_losses.iter().sum::<f64>() / aggregated_losses.len() as f64),
     });
-    if let Some(valid_loss) = crate::verify::validation_loss(hub, &loaded).await? {
+    if let Some(valid_loss) = valid_loss {
         metrics["valid_loss"] = valid_loss.into();
         metrics["valid_perplexity"] = valid_loss.exp().into();
     }
@@ -301,7 +450,10 @@ async fn run_locked(hub: &Hub) -> Result<AggregateOutcome> {
     }
     cleanup_files(hub, &pending, &verdicts).await;
     hub.announce_version(&version, Some(head.version.clone()));
-    tracing::info!(%version, num_updates = verdicts.aggregated.len(), rejected = verdicts.rejected.len(), "published");
+    if !verdicts.suspects.is_empty() {
+        hub.verify_now.notify_one();
+    }
+    tracing::info!(%version, num_updates = verdicts.aggregated.len(), rejected = verdicts.rejected.len(), sent_to_verification = verdicts.suspects.len(), "published");
     Ok(AggregateOutcome::Success {
         version,
         num_updates: verdicts.aggregated.len() as i64,
@@ -309,17 +461,36 @@ async fn run_locked(hub: &Hub) -> Result<AggregateOutcome> {
     })
 }
 
-async fn mean_loss(hub: &Hub, pending: &[Pending], aggregated: &[usize]) -> Result<Option<f64>> {
-    let mut sum = 0.0;
-    for &i in aggregated {
-        let loss: f64 =
-            sqlx::query_scalar("SELECT loss FROM gradient_updates WHERE update_id = $1")
-                .bind(&pending[i].update_id)
-                .fetch_one(&hub.db.pool)
-                .await?;
-        sum += loss;
-    }
-    Ok((!aggregated.is_empty()).then(|| sum / aggregated.len() as f64))
+/// The trust of each kept update's worker, in `kept` order.
+fn agreements_in(
+    kept: &[(usize, Vec<f32>)],
+    pending: &[PendingUpdate],
+    agreements: &HashMap<String, i64>,
+) -> Vec<i64> {
+    kept.iter()
+        .map(|(i, _)| agreements.get(&pending[*i].worker_id).copied().unwrap_or(0))
+        .collect()
+}
+
+/// The rules' view of `updates`, weighted by samples and (when `agreements` are given) by the
+/// probation bound of [`trust::weight`].
+fn as_updates<'a>(
+    updates: &'a [(usize, Vec<f32>)],
+    pending: &[PendingUpdate],
+    agreements: &[i64],
+    probation: i64,
+) -> Vec<Update<'a>> {
+    updates
+        .iter()
+        .enumerate()
+        .map(|(j, (i, values))| Update {
+            values,
+            num_samples: match agreements.get(j) {
+                Some(&a) => trust::weight(pending[*i].num_samples, a, probation),
+                None => pending[*i].num_samples.max(0) as u64,
+            },
+        })
+        .collect()
 }
 
 /// Records the verdicts, and publishes `version` when given, in one transaction. Publishing
@@ -327,45 +498,21 @@ async fn mean_loss(hub: &Hub, pending: &[Pending], aggregated: &[usize]) -> Resu
 /// the whole transaction fail instead of half-applying.
 async fn mark(
     hub: &Hub,
-    pending: &[Pending],
+    pending: &[PendingUpdate],
     verdicts: &Verdicts,
     publish: Option<(&str, &VersionRow)>,
 ) -> Result<()> {
-    let now = now_ms();
     let mut tx = hub.db.pool.begin().await?;
     if let Some((base, row)) = publish {
-        sqlx::query(
-            "INSERT INTO model_versions (version, checkpoint_url, sha256, num_parameters, parent, step, optimizer_url, config, metrics, created_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-        )
-        .bind(&row.version)
-        .bind(&row.checkpoint_key)
-        .bind(&row.sha256)
-        .bind(row.num_parameters)
-        .bind(row.parent.clone())
-        .bind(row.step)
-        .bind(row.optimizer_key.clone())
-        .bind(row.config.to_string())
-        .bind(row.metrics.to_string())
-        .bind(row.created_at)
-        .execute(&mut *tx)
-        .await?;
-        let moved = sqlx::query(
-            "UPDATE hub_state SET current_version = $1, patch = patch + 1, last_aggregation_at = $2 WHERE id = 1 AND current_version = $3",
-        )
-        .bind(&row.version)
-        .bind(now)
-        .bind(base)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-        if moved != 1 {
+        store::versions::insert(&mut *tx, row).await?;
+        if !store::versions::advance(&mut *tx, base, &row.version, now_ms()).await? {
             bail!(
                 "the current version changed during aggregation (a rollback?); nothing was published"
             );
         }
     }
     let version = publish.map(|(_, row)| row.version.as_str());
+    let stale_reason = "computed on a version too far behind the current one";
     let statuses = verdicts
         .aggregated
         .iter()
@@ -380,81 +527,81 @@ async fn mark(
             verdicts
                 .rejected
                 .iter()
-                .map(|(i, reason)| (*i, "rejected", Some(reason.as_str()))),
+                .map(|r| (r.index, "rejected", Some(r.reason.as_str()))),
         )
-        .chain(verdicts.stale.iter().map(|&i| {
-            (
-                i,
-                "stale",
-                Some("computed on a version too far behind the current one"),
-            )
-        }));
+        .chain(
+            verdicts
+                .stale
+                .iter()
+                .map(|&i| (i, "stale", Some(stale_reason))),
+        )
+        .chain(
+            verdicts
+                .held
+                .iter()
+                .map(|(i, reason)| (*i, "held", Some(reason.as_str()))),
+        );
     for (i, status, reason) in statuses {
-        let changed = sqlx::query(
-            "UPDATE gradient_updates SET status = $1, aggregated = $2, aggregated_into = $3, reason = $4 \
-             WHERE update_id = $5 AND status = 'pending'",
+        let recorded_version = (status == "aggregated" || status == "discarded")
+            .then_some(version)
+            .flatten();
+        if !store::updates::set_verdict(
+            &mut *tx,
+            &pending[i].update_id,
+            status,
+            recorded_version,
+            reason,
         )
-        .bind(status)
-        .bind(matches!(status, "aggregated" | "discarded"))
-        .bind(version)
-        .bind(reason)
-        .bind(&pending[i].update_id)
-        .execute(&mut *tx)
         .await?
-        .rows_affected();
-        if changed != 1 {
+        {
             bail!(
                 "update {} was no longer pending; nothing was recorded",
                 pending[i].update_id
             );
         }
     }
-    for &i in &verdicts.aggregated {
-        sqlx::query("UPDATE workers SET validated_batches = validated_batches + 1 WHERE id = $1")
-            .bind(&pending[i].worker_id)
-            .execute(&mut *tx)
-            .await?;
-        adjust_reputation(&mut *tx, &pending[i].worker_id, REPUTATION_AGGREGATED).await?;
+    for (i, reason) in &verdicts.suspects {
+        store::updates::gate_for_verification(&mut *tx, &pending[*i].update_id, reason).await?;
     }
-    for (i, _) in &verdicts.rejected {
-        adjust_reputation(&mut *tx, &pending[*i].worker_id, REPUTATION_OUTLIER).await?;
+    for &i in &verdicts.aggregated {
+        store::workers::add_validated(&mut *tx, &pending[i].worker_id, 1).await?;
+        store::workers::adjust_reputation(&mut *tx, &pending[i].worker_id, REPUTATION_AGGREGATED)
+            .await?;
+    }
+    for r in verdicts.rejected.iter().filter(|r| r.penalty) {
+        store::workers::adjust_reputation(
+            &mut *tx,
+            &pending[r.index].worker_id,
+            REPUTATION_INVALID,
+        )
+        .await?;
     }
     // The batches of rejected and stale updates are redone by someone else.
     for i in verdicts
         .rejected
         .iter()
-        .map(|(i, _)| *i)
+        .map(|r| r.index)
         .chain(verdicts.stale.iter().copied())
     {
-        sqlx::query(
-            "UPDATE training_batches SET status = CASE WHEN attempts + 1 >= $1 THEN 'failed' ELSE 'pending' END, \
-             attempts = attempts + 1, assigned_to = NULL, assigned_at = NULL, lease_expires_at = NULL, completed_at = NULL \
-             WHERE batch_id = $2 AND status = 'completed'",
-        )
-        .bind(hub.policy.max_attempts)
-        .bind(&pending[i].batch_id)
-        .execute(&mut *tx)
-        .await?;
+        store::batches::redo(&mut *tx, &pending[i].batch_id, hub.policy.max_attempts).await?;
     }
     tx.commit().await?;
     Ok(())
 }
 
 /// Update files are kept only while a re-verification may still read them.
-async fn cleanup_files(hub: &Hub, pending: &[Pending], verdicts: &Verdicts) {
+async fn cleanup_files(hub: &Hub, pending: &[PendingUpdate], verdicts: &Verdicts) {
     let done = verdicts
         .discarded
         .iter()
         .chain(verdicts.stale.iter())
-        .chain(verdicts.rejected.iter().map(|(i, _)| i))
+        .chain(verdicts.rejected.iter().map(|r| &r.index))
         .chain(verdicts.aggregated.iter());
     for &i in done {
-        let queued: Result<Option<Option<String>>, _> =
-            sqlx::query_scalar("SELECT verification FROM gradient_updates WHERE update_id = $1")
-                .bind(&pending[i].update_id)
-                .fetch_optional(&hub.db.pool)
-                .await;
-        if matches!(queued, Ok(Some(Some(ref v))) if v == "queued") {
+        if matches!(
+            store::updates::awaits_verification(&hub.db.pool, &pending[i].update_id).await,
+            Ok(true)
+        ) {
             continue;
         }
         if let Err(e) = hub.blobs.delete(&pending[i].key).await {

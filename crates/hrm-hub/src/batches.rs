@@ -1,24 +1,21 @@
-//! Training batches: ingestion of a corpus into pre-chunked gzip JSON-lines files, and leases.
-//!
-//! Status moves `pending → assigned` when a worker leases a batch, `assigned → completed` when
-//! its update is accepted, and `assigned → pending` when the lease expires. A completed batch
-//! goes back to `pending` when its update is rejected or goes stale before aggregation. A batch
-//! that has been through `--max-attempts` leases without being aggregated becomes `failed`.
+//! Training batches: ingestion of a corpus into pre-chunked gzip JSON-lines files, leases, and
+//! the reaper that returns expired leases and cooled-down failed batches (the status
+//! transitions are in [`store::batches`]).
 
 use crate::Hub;
 use crate::db::{now_ms, to_datetime};
-use crate::error::{ApiError, ApiResult};
 use crate::queue::BATCHES;
+use crate::store;
 use crate::versions;
 use crate::workers::Worker;
 use anyhow::{Context, Result};
 use bytes::Bytes;
+use hrm_http::{ApiError, ApiResult};
 use hrm_wire::samples::{decode_samples, encode_samples};
 use hrm_wire::{BatchAssignment, TrainingPlan};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 use sha2::{Digest, Sha256};
-use sqlx::{AssertSqlSafe, Row};
 use std::time::Duration;
 use uuid::Uuid;
 
@@ -78,9 +75,7 @@ pub async fn ingest(
     );
     windows.shuffle(&mut rand::rngs::StdRng::seed_from_u64(seed));
     let chunks: Vec<&[Vec<u32>]> = windows.chunks(batch_size).collect();
-    let mut seq: i64 = sqlx::query_scalar("SELECT COALESCE(MAX(seq), 0) FROM training_batches")
-        .fetch_one(&hub.db.pool)
-        .await?;
+    let mut seq = store::batches::max_seq(&hub.db.pool).await?;
     let mut new_ids = Vec::new();
     for (i, chunk) in chunks.iter().enumerate() {
         let file = encode_samples(chunk)?;
@@ -95,21 +90,19 @@ pub async fn ingest(
         // without its file.
         hub.blobs.put(&key, Bytes::from(file)).await?;
         seq += 1;
-        let inserted = sqlx::query(
-            "INSERT INTO training_batches (batch_id, seq, dataset_name, data_url, num_samples, seq_len, num_tokens) \
-             VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT DO NOTHING",
+        let inserted = store::batches::insert(
+            &hub.db.pool,
+            store::batches::NewBatch {
+                batch_id: &id.to_string(),
+                seq,
+                dataset,
+                data_key: &key,
+                num_samples: chunk.len() as i64,
+                seq_len: seq_len as i64,
+            },
         )
-        .bind(id.to_string())
-        .bind(seq)
-        .bind(dataset)
-        .bind(&key)
-        .bind(chunk.len() as i64)
-        .bind(seq_len as i64)
-        .bind((chunk.len() * seq_len) as i64)
-        .execute(&hub.db.pool)
-        .await?
-        .rows_affected();
-        if inserted == 1 {
+        .await?;
+        if inserted {
             new_ids.push(id.to_string());
         }
         progress(i + 1, chunks.len());
@@ -134,60 +127,9 @@ pub async fn ingest(
     })
 }
 
-/// A `training_batches` row, as leases need it.
-struct BatchRow {
-    batch_id: String,
-    data_key: String,
-    num_samples: i64,
-    seq_len: i64,
-    lease_expires_at: i64,
-}
-
-fn parse_batch(row: &sqlx::any::AnyRow) -> sqlx::Result<BatchRow> {
-    Ok(BatchRow {
-        batch_id: row.try_get("batch_id")?,
-        data_key: row.try_get("data_url")?,
-        num_samples: row.try_get("num_samples")?,
-        seq_len: row.try_get("seq_len")?,
-        lease_expires_at: row
-            .try_get::<Option<i64>, _>("lease_expires_at")?
-            .unwrap_or(0),
-    })
-}
-
-const BATCH_COLUMNS: &str = "batch_id, data_url, num_samples, seq_len, lease_expires_at";
-
-/// Moves one pending batch to `assigned` for `worker`; false when someone else got it first.
-async fn claim(hub: &Hub, batch_id: &str, worker: &Worker) -> Result<bool> {
-    let now = now_ms();
-    let claimed = sqlx::query(
-        "UPDATE training_batches SET status = 'assigned', assigned_to = $1, assigned_at = $2, lease_expires_at = $3 \
-         WHERE batch_id = $4 AND status = 'pending'",
-    )
-    .bind(worker.id.to_string())
-    .bind(now)
-    .bind(now + hub.policy.lease.as_millis() as i64)
-    .bind(batch_id)
-    .execute(&hub.db.pool)
-    .await?
-    .rows_affected();
-    Ok(claimed == 1)
-}
-
-async fn live_lease(hub: &Hub, worker: &Worker) -> Result<Option<BatchRow>> {
-    let row = sqlx::query(AssertSqlSafe(format!(
-        "SELECT {BATCH_COLUMNS} FROM training_batches WHERE assigned_to = $1 AND status = 'assigned' AND lease_expires_at > $2"
-    )))
-    .bind(worker.id.to_string())
-    .bind(now_ms())
-    .fetch_optional(&hub.db.pool)
-    .await?;
-    Ok(row.as_ref().map(parse_batch).transpose()?)
-}
-
-/// Leases a batch to `worker`: the one it already holds (a worker holds at most one, so a
-/// reconnecting worker gets its batch back and no one can hoard), else the oldest pending one.
-/// `None` when nothing is pending.
+/// Leases a batch to `worker`: the one it already holds (a worker holds at most one, enforced
+/// by the database, so a reconnecting worker gets its batch back and no one can hoard), else
+/// the oldest pending one. `None` when nothing is pending.
 pub async fn lease(hub: &Hub, worker: &Worker) -> ApiResult<Option<BatchAssignment>> {
     worker.require_trusted(hub)?;
     let Some(version) = versions::current_version(hub).await? else {
@@ -196,45 +138,62 @@ pub async fn lease(hub: &Hub, worker: &Worker) -> ApiResult<Option<BatchAssignme
             "this hub has no model yet (`hrm hub init`)",
         ));
     };
-    if let Some(row) = live_lease(hub, worker).await? {
-        return Ok(Some(assignment(hub, row, version).await?));
-    }
+    let me = worker.id.to_string();
+    // An expired lease of this worker's own goes back before it takes another.
+    let (requeued, _) =
+        store::batches::release_expired(&hub.db.pool, hub.policy.max_attempts, Some(&me)).await?;
+    requeue(hub, &requeued).await;
+    let expires_at = now_ms() + hub.policy.lease.as_millis() as i64;
     let mut claimed = None;
-    for _ in 0..QUEUE_TRIES {
-        // A queue failure (Redis down) falls through to the database.
-        let Ok(Some(id)) = hub.queue.pop(BATCHES).await else {
-            break;
-        };
-        if claim(hub, &id, worker).await? {
-            claimed = Some(id);
-            break;
-        }
-    }
-    if claimed.is_none() {
-        let ids: Vec<String> = sqlx::query_scalar(
-            "SELECT batch_id FROM training_batches WHERE status = 'pending' ORDER BY seq LIMIT $1",
-        )
-        .bind(REFILL)
-        .fetch_all(&hub.db.pool)
-        .await?;
-        for (i, id) in ids.iter().enumerate() {
-            if claim(hub, id, worker).await? {
-                claimed = Some(id.clone());
-                if let Err(e) = hub.queue.push(BATCHES, &ids[i + 1..]).await {
-                    tracing::warn!(error = %e, "could not refill the batch queue; leasing from the database");
-                }
+    'search: {
+        for _ in 0..QUEUE_TRIES {
+            // A queue failure (Redis down) falls through to the database.
+            let Ok(Some(id)) = hub.queue.pop(BATCHES).await else {
                 break;
+            };
+            match store::batches::claim(&hub.db.pool, &id, &me, expires_at).await? {
+                store::batches::Claim::Claimed => {
+                    claimed = Some(id);
+                    break 'search;
+                }
+                store::batches::Claim::Taken => {}
+                store::batches::Claim::AlreadyHolding => {
+                    // The id goes back for someone else.
+                    requeue(hub, &[id]).await;
+                    break 'search;
+                }
+            }
+        }
+        let ids = store::batches::pending_ids(&hub.db.pool, REFILL).await?;
+        for (i, id) in ids.iter().enumerate() {
+            match store::batches::claim(&hub.db.pool, id, &me, expires_at).await? {
+                store::batches::Claim::Claimed => {
+                    claimed = Some(id.clone());
+                    requeue(hub, &ids[i + 1..]).await;
+                    break 'search;
+                }
+                store::batches::Claim::Taken => {}
+                store::batches::Claim::AlreadyHolding => break 'search,
             }
         }
     }
-    let Some(id) = claimed else { return Ok(None) };
-    let row = sqlx::query(AssertSqlSafe(format!(
-        "SELECT {BATCH_COLUMNS} FROM training_batches WHERE batch_id = $1"
-    )))
-    .bind(&id)
-    .fetch_one(&hub.db.pool)
-    .await?;
-    Ok(Some(assignment(hub, parse_batch(&row)?, version).await?))
+    // What this worker holds now: the batch just claimed, or the one a concurrent request of
+    // its own claimed first.
+    let row = match claimed {
+        Some(id) => store::batches::get(&hub.db.pool, &id).await?,
+        None => store::batches::held_by(&hub.db.pool, &me).await?,
+    };
+    match row {
+        Some(row) => Ok(Some(assignment(hub, row, version).await?)),
+        None => Ok(None),
+    }
+}
+
+/// Puts batch ids back on the queue (the database stays the truth if this fails).
+async fn requeue(hub: &Hub, ids: &[String]) {
+    if let Err(e) = hub.queue.push(BATCHES, ids).await {
+        tracing::warn!(error = %e, "could not queue batches; they are leased from the database");
+    }
 }
 
 /// The seed of a batch's training plan: from its id, so every computation of it agrees.
@@ -250,7 +209,11 @@ pub fn plan_for(hub: &Hub, batch_id: &str) -> TrainingPlan {
     }
 }
 
-async fn assignment(hub: &Hub, row: BatchRow, version: String) -> Result<BatchAssignment> {
+async fn assignment(
+    hub: &Hub,
+    row: store::batches::BatchRow,
+    version: String,
+) -> Result<BatchAssignment> {
     let remaining = (row.lease_expires_at - now_ms()).max(1000) as u64;
     let data_url = match hub
         .blobs
@@ -275,33 +238,22 @@ async fn assignment(hub: &Hub, row: BatchRow, version: String) -> Result<BatchAs
     })
 }
 
-/// The batch file of a batch the worker holds (the local store's stand-in for a presigned GET).
-pub async fn data(hub: &Hub, worker: &Worker, batch_id: Uuid) -> ApiResult<Bytes> {
-    let key: Option<String> = sqlx::query_scalar(
-        "SELECT data_url FROM training_batches WHERE batch_id = $1 AND assigned_to = $2 AND status IN ('assigned', 'completed')",
-    )
-    .bind(batch_id.to_string())
-    .bind(worker.id.to_string())
-    .fetch_optional(&hub.db.pool)
-    .await?;
-    let key = key.ok_or_else(|| {
-        ApiError::not_found(
-            "batch_not_leased",
-            "this worker holds no lease on that batch",
-        )
-    })?;
-    Ok(hub.blobs.get(&key).await?)
+/// The object key of the batch file of a batch the worker holds (the local store's stand-in
+/// for a presigned GET).
+pub async fn data_key(hub: &Hub, worker: &Worker, batch_id: Uuid) -> ApiResult<String> {
+    store::batches::data_key_for_holder(&hub.db.pool, &batch_id.to_string(), &worker.id.to_string())
+        .await?
+        .ok_or_else(|| {
+            ApiError::not_found(
+                "batch_not_leased",
+                "this worker holds no lease on that batch",
+            )
+        })
 }
 
 /// The fraction of all ingested batches that are completed (0 when none were ingested).
 pub async fn completed_fraction(hub: &Hub) -> Result<f64> {
-    let row = sqlx::query(
-        "SELECT COUNT(*) AS total, CAST(COALESCE(SUM(CASE WHEN status = 'completed' THEN 1 ELSE 0 END), 0) AS BIGINT) AS done \
-         FROM training_batches",
-    )
-    .fetch_one(&hub.db.pool)
-    .await?;
-    let (total, done): (i64, i64) = (row.try_get("total")?, row.try_get("done")?);
+    let (total, done) = store::batches::completion(&hub.db.pool).await?;
     Ok(if total > 0 {
         done as f64 / total as f64
     } else {
@@ -309,29 +261,35 @@ pub async fn completed_fraction(hub: &Hub) -> Result<f64> {
     })
 }
 
-/// Returns expired leases to the queue (or fails batches out of attempts). Safe to run on
-/// every replica at once: each row moves once.
-pub async fn reap_expired_leases(hub: &Hub) -> Result<usize> {
-    let rows = sqlx::query(
-        "UPDATE training_batches SET \
-           status = CASE WHEN attempts + 1 >= $1 THEN 'failed' ELSE 'pending' END, \
-           attempts = attempts + 1, assigned_to = NULL, assigned_at = NULL, lease_expires_at = NULL \
-         WHERE status = 'assigned' AND lease_expires_at < $2 RETURNING batch_id, status",
+/// Returns expired leases to the queue (or fails batches out of attempts), and failed batches
+/// whose cool-down is over. Safe to run on every replica at once: each row moves once.
+pub async fn reap(hub: &Hub) -> Result<usize> {
+    let (mut requeued, moved) =
+        store::batches::release_expired(&hub.db.pool, hub.policy.max_attempts, None).await?;
+    let cooled = now_ms() - hub.policy.failed_cooldown.as_millis() as i64;
+    let revived = store::batches::requeue_failed(&hub.db.pool, cooled, None).await?;
+    if !revived.is_empty() {
+        tracing::info!(
+            batches = revived.len(),
+            "failed batches offered again after their cool-down"
+        );
+    }
+    let count = moved + revived.len();
+    requeued.extend(revived);
+    requeue(hub, &requeued).await;
+    Ok(count)
+}
+
+/// The operator's requeue: one failed batch, or every failed one. Returns how many.
+pub async fn requeue_failed(hub: &Hub, batch_id: Option<Uuid>) -> Result<usize> {
+    let ids = store::batches::requeue_failed(
+        &hub.db.pool,
+        i64::MAX,
+        batch_id.map(|id| id.to_string()).as_deref(),
     )
-    .bind(hub.policy.max_attempts)
-    .bind(now_ms())
-    .fetch_all(&hub.db.pool)
     .await?;
-    let mut requeued = Vec::new();
-    for row in &rows {
-        if row.try_get::<String, _>("status")? == "pending" {
-            requeued.push(row.try_get::<String, _>("batch_id")?);
-        }
-    }
-    if let Err(e) = hub.queue.push(BATCHES, &requeued).await {
-        tracing::warn!(error = %e, "could not requeue expired batches; they are leased from the database");
-    }
-    Ok(rows.len())
+    requeue(hub, &ids).await;
+    Ok(ids.len())
 }
 
 /// The validation windows stored by `ingest`, if any.
@@ -342,15 +300,15 @@ pub async fn validation_windows(hub: &Hub) -> Result<Option<Vec<Vec<u32>>>> {
     Ok(Some(decode_samples(&hub.blobs.get(VALIDATION_KEY).await?)?))
 }
 
-/// Background loop: returns expired leases every `interval`.
+/// Background loop: returns expired leases and cooled-down failed batches every `interval`.
 pub async fn run_reaper(hub: std::sync::Arc<Hub>, interval: Duration) {
     let mut ticker = tokio::time::interval(interval);
     loop {
         ticker.tick().await;
-        match reap_expired_leases(&hub).await {
+        match reap(&hub).await {
             Ok(0) => {}
-            Ok(n) => tracing::info!(batches = n, "expired leases returned"),
-            Err(e) => tracing::warn!(error = format!("{e:#}"), "could not return expired leases"),
+            Ok(n) => tracing::info!(batches = n, "batches returned to the queue"),
+            Err(e) => tracing::warn!(error = format!("{e:#}"), "could not return batches"),
         }
     }
 }

@@ -81,7 +81,7 @@ pub struct PolicyArgs {
     /// Byzantine updates Krum and Multi-Krum tolerate.
     #[arg(long, env = "HRM_HUB_BYZANTINE", default_value_t = 1)]
     pub byzantine: usize,
-    /// Updates Multi-Krum keeps (0: all but `--byzantine`).
+    /// Updates Multi-Krum keeps (0: n - f, all but `--byzantine`).
     #[arg(long, env = "HRM_HUB_KRUM_SELECT", default_value_t = 0)]
     pub krum_select: usize,
     /// Fraction trimmed from each end by the trimmed mean.
@@ -151,6 +151,42 @@ pub struct PolicyArgs {
     /// Seconds between WebSocket heartbeats; a client silent for three of them is dropped.
     #[arg(long, env = "HRM_HUB_HEARTBEAT_SECONDS", default_value_t = 15)]
     pub heartbeat_seconds: u64,
+    /// An update's L2 norm must lie within this factor (either way) of the norm of the hub's own
+    /// recomputations; 0 turns the norm screen off.
+    #[arg(long, env = "HRM_HUB_NORM_BOUND", default_value_t = 4.0)]
+    pub norm_bound: f64,
+    /// A version is not published when its validation loss exceeds its parent's by more than
+    /// this fraction (needs validation windows: `hrm hub ingest --valid`).
+    #[arg(long, env = "HRM_HUB_MAX_LOSS_INCREASE", default_value_t = 0.02)]
+    pub max_loss_increase: f64,
+    /// Agreeing re-verifications in a row a new worker needs to leave probation (0: none).
+    #[arg(long, env = "HRM_HUB_PROBATION_AGREEMENTS", default_value_t = 3)]
+    pub probation_agreements: i64,
+    /// Proof-of-work difficulty of registration, in leading zero bits (0: none).
+    #[arg(long, env = "HRM_HUB_CHALLENGE_BITS", default_value_t = 20)]
+    pub challenge_bits: u32,
+    /// Registrations one IP address may make at once ...
+    #[arg(long, env = "HRM_HUB_REGISTER_BURST", default_value_t = 5)]
+    pub register_burst: u32,
+    /// ... and per hour after that.
+    #[arg(long, env = "HRM_HUB_REGISTER_PER_HOUR", default_value_t = 20.0)]
+    pub register_per_hour: f64,
+    /// Requests one IP address may make at once (all routes) ...
+    #[arg(long, env = "HRM_HUB_IP_BURST", default_value_t = 600)]
+    pub ip_burst: u32,
+    /// ... and per second after that.
+    #[arg(long, env = "HRM_HUB_IP_PER_SECOND", default_value_t = 100.0)]
+    pub ip_per_second: f64,
+    /// Take the client's IP address from this header (the last address in it) instead of the
+    /// connection: only behind a reverse proxy that sets it.
+    #[arg(long, env = "HRM_HUB_CLIENT_IP_HEADER")]
+    pub client_ip_header: Option<String>,
+    /// Seconds before a batch that ran out of attempts is offered again.
+    #[arg(long, env = "HRM_HUB_FAILED_COOLDOWN", default_value_t = 3600)]
+    pub failed_cooldown: u64,
+    /// Status-feed WebSocket connections served at once.
+    #[arg(long, env = "HRM_HUB_WS_MAX_CONNECTIONS", default_value_t = 1000)]
+    pub ws_max_connections: usize,
 }
 
 /// Settings derived from [`PolicyArgs`], checked.
@@ -175,6 +211,18 @@ pub struct Policy {
     pub eval_windows: usize,
     pub plan: TrainingPlan,
     pub heartbeat: Duration,
+    /// `None`: the norm screen is off.
+    pub norm_bound: Option<f64>,
+    pub max_loss_increase: f64,
+    pub probation_agreements: i64,
+    pub challenge_bits: u32,
+    pub register_burst: u32,
+    pub register_per_second: f64,
+    pub ip_burst: u32,
+    pub ip_per_second: f64,
+    pub client_ip_header: Option<axum::http::HeaderName>,
+    pub failed_cooldown: Duration,
+    pub ws_max_connections: usize,
 }
 
 impl PolicyArgs {
@@ -202,6 +250,32 @@ impl PolicyArgs {
         if self.inner_warmup_steps > self.inner_steps {
             bail!("--inner-warmup-steps must not exceed --inner-steps");
         }
+        if !(self.norm_bound == 0.0 || self.norm_bound > 1.0) || !self.norm_bound.is_finite() {
+            bail!("--norm-bound must be 0 (off) or above 1");
+        }
+        if !(self.max_loss_increase >= 0.0) {
+            bail!("--max-loss-increase must be 0 or more");
+        }
+        if self.challenge_bits > 40 {
+            bail!("--challenge-bits above 40 would take a volunteer days");
+        }
+        if self.register_burst == 0
+            || self.ip_burst == 0
+            || !(self.register_per_hour > 0.0)
+            || !(self.ip_per_second > 0.0)
+            || self.ws_max_connections == 0
+            || self.probation_agreements < 0
+        {
+            bail!(
+                "--register-burst, --register-per-hour, --ip-burst, --ip-per-second and --ws-max-connections must be positive, --probation-agreements 0 or more"
+            );
+        }
+        let client_ip_header = self
+            .client_ip_header
+            .as_deref()
+            .map(axum::http::HeaderName::try_from)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("--client-ip-header: {e}"))?;
         let rule = match self.rule {
             RuleName::Mean => Rule::Mean,
             RuleName::Krum => Rule::Krum {
@@ -263,6 +337,17 @@ impl PolicyArgs {
                 seed: 0,
             },
             heartbeat: Duration::from_secs(self.heartbeat_seconds),
+            norm_bound: (self.norm_bound > 0.0).then_some(self.norm_bound),
+            max_loss_increase: self.max_loss_increase,
+            probation_agreements: self.probation_agreements,
+            challenge_bits: self.challenge_bits,
+            register_burst: self.register_burst,
+            register_per_second: self.register_per_hour / 3600.0,
+            ip_burst: self.ip_burst,
+            ip_per_second: self.ip_per_second,
+            client_ip_header,
+            failed_cooldown: Duration::from_secs(self.failed_cooldown),
+            ws_max_connections: self.ws_max_connections,
         })
     }
 }

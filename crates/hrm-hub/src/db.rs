@@ -46,8 +46,14 @@ pub struct Db {
     lock_file: Option<PathBuf>,
 }
 
-const MIGRATIONS: &[(i64, &str, &str)] =
-    &[(1, "init", include_str!("../migrations/0001_init.sql"))];
+const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (1, "init", include_str!("../migrations/0001_init.sql")),
+    (
+        2,
+        "hostile volunteers",
+        include_str!("../migrations/0002_hostile_volunteers.sql"),
+    ),
+];
 
 /// An arbitrary constant naming the aggregator's PostgreSQL advisory lock.
 const AGGREGATOR_LOCK_KEY: i64 = 0x4852_4d5f_4147_4752;

@@ -3,50 +3,34 @@
 //! hand over to the module that owns the work.
 
 use crate::Hub;
-use crate::error::{ApiError, ApiResult};
 use crate::workers::{Admin, Worker};
 use crate::{aggregator, batches, updates, versions, workers};
-use axum::body::Bytes;
-use axum::extract::rejection::JsonRejection;
+use axum::body::{Body, Bytes};
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
-use axum::extract::{DefaultBodyLimit, FromRequest, Path, Query, Request, State};
+use axum::extract::{ConnectInfo, DefaultBodyLimit, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::{Json, Router};
+use hrm_http::{ApiError, ApiResult, JsonBody, PathParam, QueryParams};
 use hrm_wire::*;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Instant;
 use tower_http::trace::TraceLayer;
 use uuid::Uuid;
 
-/// JSON bodies whose parse errors come back in the hub's error shape.
-pub struct Body<T>(pub T);
-
-impl<T: serde::de::DeserializeOwned, S: Send + Sync> FromRequest<S> for Body<T> {
-    type Rejection = ApiError;
-
-    async fn from_request(req: Request, state: &S) -> ApiResult<Self> {
-        match Json::<T>::from_request(req, state).await {
-            Ok(Json(value)) => Ok(Body(value)),
-            Err(JsonRejection::BytesRejection(_)) => {
-                Err(ApiError::too_large(MAX_JSON_BYTES as u64))
-            }
-            Err(e) => Err(ApiError::invalid("invalid_json", e.body_text())),
-        }
-    }
-}
-
 /// Limit of JSON request bodies.
 const MAX_JSON_BYTES: usize = 64 * 1024;
+/// Largest message a status-feed client may send (it only ever needs to answer pings).
+const MAX_WS_MESSAGE_BYTES: usize = 4 * 1024;
 
 pub fn router(hub: Arc<Hub>) -> Router {
-    // The update upload route takes model-sized bodies; its own limit is checked against the
-    // model in `updates::put_blob`, this one only stops bodies beyond any model.
-    let blob_limit = DefaultBodyLimit::max(4 << 30);
     Router::new()
         .route("/", get(dashboard))
         .route("/healthz", get(|| async { "ok" }))
+        .route("/api/v1/auth/challenge", get(challenge))
         .route("/api/v1/auth/register", post(register))
         .route("/api/v1/auth/login", post(login))
         .route("/api/v1/model/current", get(current_model))
@@ -56,8 +40,10 @@ pub fn router(hub: Arc<Hub>) -> Router {
         .route("/api/v1/batch/data/{batch_id}", get(batch_data))
         .route("/api/v1/gradients/upload-url", post(upload_url))
         .route(
+            // The body is streamed with its own cap (`updates::put_blob`), checked against the
+            // model before a byte is read.
             "/api/v1/gradients/blob/{batch_id}",
-            put(put_blob).layer(blob_limit),
+            put(put_blob).layer(DefaultBodyLimit::disable()),
         )
         .route("/api/v1/gradients/upload", post(upload))
         .route("/api/v1/stats/global", get(global_stats))
@@ -69,17 +55,72 @@ pub fn router(hub: Arc<Hub>) -> Router {
             ApiError::not_found("no_route", "no such route; see docs/hub-api.md")
         })
         .layer(DefaultBodyLimit::max(MAX_JSON_BYTES))
+        .layer(middleware::from_fn_with_state(hub.clone(), limit_per_ip))
         .layer(TraceLayer::new_for_http())
         .with_state(hub)
+}
+
+/// The client's address: the connection's peer, or behind a reverse proxy the last address of
+/// `--client-ip-header` (the one the proxy itself added).
+pub fn client_ip(hub: &Hub, headers: &HeaderMap, peer: Option<SocketAddr>) -> Option<IpAddr> {
+    if let Some(name) = &hub.policy.client_ip_header {
+        return headers
+            .get(name)?
+            .to_str()
+            .ok()?
+            .rsplit(',')
+            .next()?
+            .trim()
+            .parse()
+            .ok();
+    }
+    peer.map(|p| p.ip())
+}
+
+fn peer(req: &Request) -> Option<SocketAddr> {
+    req.extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|ConnectInfo(addr)| *addr)
+}
+
+/// Every request counts against its IP address; registrations also against their own, much
+/// smaller budget, so that identities cannot be minted in bulk from one address.
+async fn limit_per_ip(State(hub): State<Arc<Hub>>, req: Request, next: Next) -> Response {
+    let Some(ip) = client_ip(&hub, req.headers(), peer(&req)) else {
+        return next.run(req).await;
+    };
+    if let Err(seconds) = hub.ip_limit.check(&ip) {
+        return ApiError::too_many(
+            "rate_limited",
+            "too many requests from this address; retry later",
+            seconds,
+        )
+        .into_response();
+    }
+    if req.uri().path() == "/api/v1/auth/register"
+        && let Err(seconds) = hub.register_limit.check(&ip)
+    {
+        return ApiError::too_many(
+            "too_many_registrations",
+            "too many registrations from this address; retry later",
+            seconds,
+        )
+        .into_response();
+    }
+    next.run(req).await
 }
 
 async fn dashboard() -> Html<&'static str> {
     Html(include_str!("dashboard.html"))
 }
 
+async fn challenge(State(hub): State<Arc<Hub>>) -> ApiResult<Json<Challenge>> {
+    Ok(Json(hub.challenges().await?.issue()))
+}
+
 async fn register(
     State(hub): State<Arc<Hub>>,
-    Body(request): Body<RegisterRequest>,
+    JsonBody(request): JsonBody<RegisterRequest>,
 ) -> ApiResult<(StatusCode, Json<RegisterResponse>)> {
     Ok((
         StatusCode::CREATED,
@@ -120,7 +161,7 @@ async fn model_versions(State(hub): State<Arc<Hub>>) -> ApiResult<Json<Vec<Model
 async fn download(
     State(hub): State<Arc<Hub>>,
     _worker: Worker,
-    Path(version): Path<String>,
+    PathParam(version): PathParam<String>,
     headers: HeaderMap,
 ) -> ApiResult<Response> {
     let row = versions::version_row(&hub, &version)
@@ -135,8 +176,11 @@ async fn download(
     if cached {
         return Ok((StatusCode::NOT_MODIFIED, [(header::ETAG, etag_header)]).into_response());
     }
-    let bytes = hub.blobs.get(&row.checkpoint_key).await?;
-    let total = bytes.len() as u64;
+    let total = hub
+        .blobs
+        .size(&row.checkpoint_key)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("checkpoint of {version} is missing from the store"))?;
     let common = [
         (header::ETAG, etag_header),
         (
@@ -153,8 +197,17 @@ async fn download(
         .get(header::RANGE)
         .and_then(|v| v.to_str().ok())
         .and_then(parse_byte_range);
+    // The file streams from the store: a download, whole or ranged, never sits in memory.
     Ok(match range {
-        None => (common, bytes).into_response(),
+        None => {
+            let (_, stream) = hub.blobs.get_stream(&row.checkpoint_key, None).await?;
+            (
+                common,
+                [(header::CONTENT_LENGTH, HeaderValue::from(total))],
+                Body::from_stream(stream),
+            )
+                .into_response()
+        }
         Some((start, end)) => {
             let end = end.unwrap_or(u64::MAX).min(total.saturating_sub(1));
             if start >= total || start > end {
@@ -168,11 +221,18 @@ async fn download(
             }
             let content_range = HeaderValue::from_str(&format!("bytes {start}-{end}/{total}"))
                 .map_err(anyhow::Error::from)?;
+            let (_, stream) = hub
+                .blobs
+                .get_stream(&row.checkpoint_key, Some(start..end + 1))
+                .await?;
             (
                 StatusCode::PARTIAL_CONTENT,
                 common,
-                [(header::CONTENT_RANGE, content_range)],
-                bytes.slice(start as usize..=end as usize),
+                [
+                    (header::CONTENT_RANGE, content_range),
+                    (header::CONTENT_LENGTH, HeaderValue::from(end + 1 - start)),
+                ],
+                Body::from_stream(stream),
             )
                 .into_response()
         }
@@ -194,7 +254,7 @@ fn parse_byte_range(value: &str) -> Option<(u64, Option<u64>)> {
 async fn request_batch(
     State(hub): State<Arc<Hub>>,
     worker: Worker,
-    Body(request): Body<BatchRequest>,
+    JsonBody(request): JsonBody<BatchRequest>,
 ) -> ApiResult<Response> {
     worker.require_id(request.worker_id)?;
     Ok(match batches::lease(&hub, &worker).await? {
@@ -210,15 +270,19 @@ async fn request_batch(
 async fn batch_data(
     State(hub): State<Arc<Hub>>,
     worker: Worker,
-    Path(batch_id): Path<Uuid>,
+    PathParam(batch_id): PathParam<Uuid>,
 ) -> ApiResult<Response> {
-    let bytes = batches::data(&hub, &worker, batch_id).await?;
+    let key = batches::data_key(&hub, &worker, batch_id).await?;
+    let (size, stream) = hub.blobs.get_stream(&key, None).await?;
     Ok((
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("application/gzip"),
-        )],
-        bytes,
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/gzip"),
+            ),
+            (header::CONTENT_LENGTH, HeaderValue::from(size)),
+        ],
+        Body::from_stream(stream),
     )
         .into_response())
 }
@@ -226,7 +290,7 @@ async fn batch_data(
 async fn upload_url(
     State(hub): State<Arc<Hub>>,
     worker: Worker,
-    Body(request): Body<UploadUrlRequest>,
+    JsonBody(request): JsonBody<UploadUrlRequest>,
 ) -> ApiResult<Json<UploadTarget>> {
     worker.require_id(request.worker_id)?;
     Ok(Json(
@@ -237,17 +301,22 @@ async fn upload_url(
 async fn put_blob(
     State(hub): State<Arc<Hub>>,
     worker: Worker,
-    Path(batch_id): Path<Uuid>,
-    body: Bytes,
+    PathParam(batch_id): PathParam<Uuid>,
+    headers: HeaderMap,
+    body: Body,
 ) -> ApiResult<StatusCode> {
-    updates::put_blob(&hub, &worker, batch_id, body).await?;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok());
+    updates::put_blob(&hub, &worker, batch_id, declared, body).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 async fn upload(
     State(hub): State<Arc<Hub>>,
     worker: Worker,
-    Body(upload): Body<GradientUpload>,
+    JsonBody(upload): JsonBody<GradientUpload>,
 ) -> ApiResult<Json<UploadReceipt>> {
     Ok(Json(updates::accept(&hub, &worker, upload).await?))
 }
@@ -272,13 +341,12 @@ fn default_leaderboard_limit() -> i64 {
 
 async fn leaderboard(
     State(hub): State<Arc<Hub>>,
-    Query(query): Query<LeaderboardQuery>,
+    QueryParams(query): QueryParams<LeaderboardQuery>,
 ) -> ApiResult<Json<Vec<LeaderboardEntry>>> {
     if !(1..=1000).contains(&query.limit) {
-        return Err(ApiError::invalid(
-            "invalid_limit",
-            "limit must be 1 to 1000",
-        ));
+        return Err(
+            ApiError::invalid("invalid_limit", "limit must be 1 to 1000").with_param("limit"),
+        );
     }
     Ok(Json(workers::leaderboard(&hub, query.limit).await?))
 }
@@ -296,8 +364,21 @@ async fn aggregate(
     }
 }
 
-async fn ws_status(State(hub): State<Arc<Hub>>, upgrade: WebSocketUpgrade) -> Response {
-    upgrade.on_upgrade(move |socket| status_feed(hub, socket))
+async fn ws_status(State(hub): State<Arc<Hub>>, upgrade: WebSocketUpgrade) -> ApiResult<Response> {
+    let slot = hub.ws_slots.clone().try_acquire_owned().map_err(|_| {
+        ApiError::unavailable(
+            "too_many_connections",
+            "the status feed is full; retry later",
+        )
+        .with_retry_after(30)
+    })?;
+    Ok(upgrade
+        .max_message_size(MAX_WS_MESSAGE_BYTES)
+        .max_frame_size(MAX_WS_MESSAGE_BYTES)
+        .on_upgrade(move |socket| async move {
+            status_feed(hub, socket).await;
+            drop(slot);
+        }))
 }
 
 fn event_message(event: &StatusEvent) -> Message {

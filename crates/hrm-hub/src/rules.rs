@@ -27,7 +27,8 @@ pub enum Rule {
     /// Krum (Blanchard et al. 2017) tolerating `byzantine` bad updates: picks the single update
     /// with the lowest score (sum of squared distances to its n - f - 2 nearest neighbours).
     Krum { byzantine: usize },
-    /// Multi-Krum: the `select` lowest-scoring updates, combined with the weighted mean.
+    /// Multi-Krum: the `select` lowest-scoring updates (0: n - f), combined with the weighted
+    /// mean.
     MultiKrum { byzantine: usize, select: usize },
     /// Coordinate-wise trimmed mean: per coordinate drop floor(trim_fraction * n) smallest and
     /// largest, unweighted mean of the rest. `trim_fraction` must lie in [0, 0.5).
@@ -223,6 +224,11 @@ fn combine_in(rule: Rule, updates: &[Update<'_>], threads: usize) -> Result<Comb
             })
         }
         Rule::MultiKrum { byzantine, select } => {
+            let select = if select == 0 {
+                n.saturating_sub(byzantine)
+            } else {
+                select
+            };
             if select == 0 || select > n {
                 return Err(RuleError::BadParameter(format!(
                     "Multi-Krum select must lie in 1..={n}, got {select}"
@@ -420,6 +426,31 @@ fn krum_scores_in(
         .collect())
 }
 
+/// Updates that lie much closer to another update than updates usually lie to each other
+/// (squared distance below `NEAR_DUPLICATE` of the median pairwise one): copies, or one
+/// direction sent by several identities. Two honest updates of different batches are never
+/// that close; colluders that send one vector are, and they are what captures Krum (n - f - 1
+/// identical updates score 0). Fewer than 3 updates have no typical distance: none is flagged.
+pub fn near_duplicates(updates: &[Update<'_>]) -> Vec<bool> {
+    let n = updates.len();
+    let len = updates.first().map_or(0, |u| u.values.len());
+    if n < 3 || validate(updates).is_err() {
+        return vec![false; n];
+    }
+    let dist = pairwise_sq_dists(updates, len, thread_count(len, n));
+    let mut pairs: Vec<f64> = (0..n)
+        .flat_map(|i| (i + 1..n).map(move |j| (i, j)))
+        .map(|(i, j)| dist[i * n + j])
+        .collect();
+    let typical = median_f64(&mut pairs);
+    (0..n)
+        .map(|i| (0..n).any(|j| j != i && dist[i * n + j] <= NEAR_DUPLICATE * typical))
+        .collect()
+}
+
+/// See [`near_duplicates`]: a tenth of the typical distance.
+const NEAR_DUPLICATE: f64 = 0.01;
+
 /// Indices (ascending) of the `select` lowest Krum scores, ties broken by lower index.
 fn krum_select(
     updates: &[Update<'_>],
@@ -595,7 +626,7 @@ pub fn outliers_by_version(
     let mut flags = if updates.len() < 3 || groups.values().all(|m| m.len() >= 3) {
         vec![false; updates.len()]
     } else {
-        let norms: Vec<f64> = updates.iter().map(|u| sq_norm(u.values).sqrt()).collect();
+        let norms: Vec<f64> = updates.iter().map(|u| l2_norm(u.values)).collect();
         above_robust_spread(&norms, z_threshold)
     };
     for members in groups.values().filter(|m| m.len() >= 3) {
@@ -607,8 +638,14 @@ pub fn outliers_by_version(
     flags
 }
 
-fn sq_norm(values: &[f32]) -> f64 {
-    values.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
+/// The L2 norm, accumulated in f64 (an f32 sum of squares would overflow long before the
+/// values do).
+pub fn l2_norm(values: &[f32]) -> f64 {
+    values
+        .iter()
+        .map(|&v| f64::from(v) * f64::from(v))
+        .sum::<f64>()
+        .sqrt()
 }
 
 /// The outlier screen's smallest sigma for a round of `n` updates, as a fraction of the median
@@ -1134,15 +1171,10 @@ mod tests {
                 Err(RuleError::BadParameter(_))
             ));
         }
-        for select in [0, 4] {
+        // 0 means n - f; beyond n is refused.
+        for (byzantine, select) in [(0, 4), (3, 0)] {
             assert!(matches!(
-                combine(
-                    Rule::MultiKrum {
-                        byzantine: 0,
-                        select
-                    },
-                    &ups
-                ),
+                combine(Rule::MultiKrum { byzantine, select }, &ups),
                 Err(RuleError::BadParameter(_))
             ));
         }
@@ -1287,6 +1319,44 @@ mod tests {
                 1e-6,
             );
         }
+    }
+
+    #[test]
+    fn colluders_sending_one_vector_are_near_duplicates_and_honest_updates_are_not() {
+        let mut rng = Rng(9);
+        let honest: Vec<Vec<f32>> = (0..7).map(|_| rng.vec(4096)).collect();
+        let fake = rng.vec(4096);
+        let mut values = honest.clone();
+        values.extend([fake.clone(), fake.clone(), fake]);
+        let flags = near_duplicates(&updates(&values, &vec![1; values.len()]));
+        assert_eq!(flags, [vec![false; 7], vec![true; 3]].concat());
+        let flags = near_duplicates(&updates(&honest, &vec![1; honest.len()]));
+        assert!(flags.iter().all(|f| !f));
+    }
+
+    #[test]
+    fn multi_krum_selects_n_minus_f_by_default() {
+        let mut rng = Rng(8);
+        let (values, samples) = krum_scenario(&mut rng, 3000);
+        let ups = updates(&values, &samples);
+        let default = combine(
+            Rule::MultiKrum {
+                byzantine: 2,
+                select: 0,
+            },
+            &ups,
+        )
+        .unwrap();
+        let explicit = combine(
+            Rule::MultiKrum {
+                byzantine: 2,
+                select: values.len() - 2,
+            },
+            &ups,
+        )
+        .unwrap();
+        assert_eq!(default.selected.len(), values.len() - 2);
+        assert_eq!(default, explicit);
     }
 
     #[test]

@@ -30,7 +30,7 @@ pub async fn global(hub: &Hub) -> Result<GlobalStats> {
             _ => {}
         }
     }
-    let mut updates = (0i64, 0i64, 0i64);
+    let mut updates = (0i64, 0i64, 0i64, 0i64);
     for row in sqlx::query("SELECT status, COUNT(*) AS n FROM gradient_updates GROUP BY status")
         .fetch_all(&hub.db.pool)
         .await?
@@ -40,6 +40,7 @@ pub async fn global(hub: &Hub) -> Result<GlobalStats> {
             "pending" => updates.0 += n,
             "aggregated" => updates.1 += n,
             "rejected" => updates.2 += n,
+            "held" => updates.3 += n,
             _ => {}
         }
     }
@@ -64,6 +65,12 @@ pub async fn global(hub: &Hub) -> Result<GlobalStats> {
         updates_pending: updates.0,
         updates_aggregated: updates.1,
         updates_rejected: updates.2,
+        updates_awaiting_verification: sqlx::query_scalar(
+            "SELECT COUNT(*) FROM gradient_updates WHERE status = 'pending' AND gated = TRUE AND verification = 'queued'",
+        )
+        .fetch_one(&hub.db.pool)
+        .await?,
+        updates_held: updates.3,
         total_tokens: workers.try_get("tokens")?,
         last_aggregation_at: state
             .try_get::<Option<i64>, _>("last_aggregation_at")?

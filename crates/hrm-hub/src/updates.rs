@@ -2,20 +2,28 @@
 //! `PUT /api/v1/gradients/blob/{batch_id}` with the local store), then every check before the
 //! update joins the queue: the lease, the batch's sample count, the staleness of the version it
 //! was computed on, the size limit, and the file itself (safetensors, names, shapes, dtypes, no
-//! NaN or Inf, the version marker). Uploads are idempotent: a batch counts once.
+//! NaN or Inf, the version marker, not empty). Uploads are idempotent: a batch counts once.
+//!
+//! Bytes from a worker are bounded before they are read: the hub's upload route checks the
+//! lease and the declared size from the headers, then streams the body to storage with a cap;
+//! a file in S3 is read with a ranged GET of at most the limit. The size and SHA-256 recorded
+//! here are what the aggregator and re-verification check the file against later.
 
 use crate::Hub;
+use crate::blobs::{Bounded, Streamed};
 use crate::db::{now_ms, to_datetime};
-use crate::error::{ApiError, ApiResult};
 use crate::queue::UPDATES;
-use crate::trust::REPUTATION_INVALID;
-use crate::versions::{self, sha256_hex};
-use crate::workers::{Worker, adjust_reputation};
-use bytes::Bytes;
+use crate::rules::l2_norm;
+use crate::store;
+use crate::trust::{REPUTATION_INVALID, verify_probability};
+use crate::versions;
+use crate::workers::Worker;
+use axum::body::Body;
+use hrm_http::{ApiError, ApiResult};
 use hrm_wire::update::decode_update;
 use hrm_wire::{GradientUpload, UploadReceipt, UploadTarget};
 use rand::Rng;
-use sqlx::Row;
+use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use uuid::Uuid;
@@ -37,38 +45,17 @@ pub fn max_update_bytes(num_parameters: usize) -> u64 {
     num_parameters as u64 * 8 + (1 << 20)
 }
 
-struct Lease {
-    status: String,
-    assigned_to: Option<String>,
-    num_samples: i64,
-    num_tokens: i64,
-    lease_expires_at: i64,
-}
-
-async fn batch_lease(hub: &Hub, batch: Uuid) -> ApiResult<Lease> {
-    let row = sqlx::query(
-        "SELECT status, assigned_to, num_samples, num_tokens, lease_expires_at FROM training_batches WHERE batch_id = $1",
-    )
-    .bind(batch.to_string())
-    .fetch_optional(&hub.db.pool)
-    .await?
-    .ok_or_else(|| ApiError::not_found("unknown_batch", format!("no batch {batch}")))?;
-    Ok(Lease {
-        status: row.try_get("status")?,
-        assigned_to: row.try_get("assigned_to")?,
-        num_samples: row.try_get("num_samples")?,
-        num_tokens: row.try_get("num_tokens")?,
-        lease_expires_at: row
-            .try_get::<Option<i64>, _>("lease_expires_at")?
-            .unwrap_or(0),
-    })
+async fn batch_row(hub: &Hub, batch: Uuid) -> ApiResult<store::batches::BatchRow> {
+    store::batches::get(&hub.db.pool, &batch.to_string())
+        .await?
+        .ok_or_else(|| ApiError::not_found("unknown_batch", format!("no batch {batch}")))
 }
 
 /// The lease must still be this worker's (an expired lease counts until someone else takes
 /// the batch).
-fn require_holder(lease: &Lease, worker: &Worker) -> ApiResult<()> {
-    let mine = lease.assigned_to.as_deref() == Some(worker.id.to_string().as_str());
-    if lease.status != "assigned" || !mine {
+fn require_holder(row: &store::batches::BatchRow, worker: &Worker) -> ApiResult<()> {
+    let mine = row.assigned_to.as_deref() == Some(worker.id.to_string().as_str());
+    if row.status != "assigned" || !mine {
         return Err(ApiError::conflict(
             "lease_lost",
             "this worker does not hold that batch (its lease expired and it went back to the queue); request a new batch",
@@ -85,11 +72,11 @@ async fn size_limit(hub: &Hub) -> ApiResult<u64> {
 }
 
 pub async fn upload_target(hub: &Hub, worker: &Worker, batch: Uuid) -> ApiResult<UploadTarget> {
-    let lease = batch_lease(hub, batch).await?;
-    require_holder(&lease, worker)?;
+    let row = batch_row(hub, batch).await?;
+    require_holder(&row, worker)?;
     let max_bytes = size_limit(hub).await?;
     let key = update_key(batch, worker.id);
-    let expires_in = Duration::from_millis((lease.lease_expires_at - now_ms()).max(60_000) as u64);
+    let expires_in = Duration::from_millis((row.lease_expires_at - now_ms()).max(60_000) as u64);
     let presigned = hub
         .blobs
         .presign(object_store::signer::Method::PUT, &key, expires_in)
@@ -105,35 +92,42 @@ pub async fn upload_target(hub: &Hub, worker: &Worker, batch: Uuid) -> ApiResult
     })
 }
 
-/// The local store's upload route: writes the body as the update file of a held batch.
-pub async fn put_blob(hub: &Hub, worker: &Worker, batch: Uuid, body: Bytes) -> ApiResult<()> {
-    let lease = batch_lease(hub, batch).await?;
-    require_holder(&lease, worker)?;
+/// The local store's upload route: the lease and the declared size are checked before a byte
+/// of the body is read; the body is then streamed to storage and cut off at the limit.
+pub async fn put_blob(
+    hub: &Hub,
+    worker: &Worker,
+    batch: Uuid,
+    declared_len: Option<u64>,
+    body: Body,
+) -> ApiResult<()> {
+    let row = batch_row(hub, batch).await?;
+    require_holder(&row, worker)?;
     let limit = size_limit(hub).await?;
-    if body.len() as u64 > limit {
-        return Err(ApiError::too_large(limit));
+    if declared_len.is_some_and(|len| len > limit) {
+        return Err(ApiError::too_large(Some(limit)));
     }
-    hub.blobs.put(&update_key(batch, worker.id), body).await?;
-    Ok(())
+    match hub
+        .blobs
+        .put_stream(
+            &update_key(batch, worker.id),
+            body.into_data_stream(),
+            limit,
+        )
+        .await?
+    {
+        Streamed::Stored { .. } => Ok(()),
+        Streamed::TooLarge => Err(ApiError::too_large(Some(limit))),
+        Streamed::Broken(why) => Err(ApiError::invalid(
+            "body_unreadable",
+            format!("the upload could not be read to its end: {why}"),
+        )),
+    }
 }
 
-/// The live update of a batch, if any: `(update_id, worker_id)`.
-async fn existing_update(hub: &Hub, batch: Uuid) -> ApiResult<Option<(String, String)>> {
-    let row = sqlx::query(
-        "SELECT update_id, worker_id FROM gradient_updates WHERE batch_id = $1 AND status <> 'rejected' AND status <> 'stale'",
-    )
-    .bind(batch.to_string())
-    .fetch_optional(&hub.db.pool)
-    .await?;
-    Ok(match row {
-        Some(row) => Some((row.try_get("update_id")?, row.try_get("worker_id")?)),
-        None => None,
-    })
-}
-
-fn duplicate_receipt(hub_worker: &Worker, existing: (String, String)) -> ApiResult<UploadReceipt> {
+fn duplicate_receipt(worker: &Worker, existing: (String, String)) -> ApiResult<UploadReceipt> {
     let (update_id, owner) = existing;
-    if owner != hub_worker.id.to_string() {
+    if owner != worker.id.to_string() {
         return Err(ApiError::conflict(
             "batch_done",
             "another worker's update for this batch was already accepted",
@@ -147,6 +141,20 @@ fn duplicate_receipt(hub_worker: &Worker, existing: (String, String)) -> ApiResu
     })
 }
 
+/// Refuses an upload whose file fails a check: the file goes, and the worker loses reputation
+/// (a file is the worker's own doing).
+async fn refuse_file(
+    hub: &Hub,
+    worker: &Worker,
+    key: &str,
+    error: ApiError,
+) -> ApiResult<UploadReceipt> {
+    store::workers::adjust_reputation(&hub.db.pool, &worker.id.to_string(), REPUTATION_INVALID)
+        .await?;
+    hub.blobs.delete(key).await?;
+    Err(error)
+}
+
 pub async fn accept(
     hub: &Hub,
     worker: &Worker,
@@ -158,28 +166,32 @@ pub async fn accept(
         return Err(ApiError::invalid(
             "invalid_loss",
             "loss must be a finite, non-negative number",
-        ));
+        )
+        .with_param("loss"));
     }
-    if let Some(existing) = existing_update(hub, upload.batch_id).await? {
+    let batch_id = upload.batch_id.to_string();
+    if let Some(existing) = store::updates::live_for_batch(&hub.db.pool, &batch_id).await? {
         return duplicate_receipt(worker, existing);
     }
-    let lease = batch_lease(hub, upload.batch_id).await?;
-    require_holder(&lease, worker)?;
-    if upload.num_samples != lease.num_samples {
+    let row = batch_row(hub, upload.batch_id).await?;
+    require_holder(&row, worker)?;
+    if upload.num_samples != row.num_samples {
         return Err(ApiError::invalid(
             "invalid_num_samples",
             format!(
                 "num_samples must be the batch's {} samples, not {}",
-                lease.num_samples, upload.num_samples
+                row.num_samples, upload.num_samples
             ),
-        ));
+        )
+        .with_param("num_samples"));
     }
     let expected_url = gradients_url(hub, upload.batch_id, worker.id);
     if upload.gradients_url != expected_url {
         return Err(ApiError::invalid(
             "invalid_gradients_url",
             format!("gradients_url must be {expected_url}, as returned by /gradients/upload-url"),
-        ));
+        )
+        .with_param("gradients_url"));
     }
     let head = versions::current_version(hub)
         .await?
@@ -191,7 +203,8 @@ pub async fn accept(
         return Err(ApiError::invalid(
             "unknown_version",
             format!("no version {}", upload.model_version),
-        ));
+        )
+        .with_param("model_version"));
     }
     if versions::lag(hub, &head, &upload.model_version, hub.policy.max_staleness)
         .await?
@@ -207,45 +220,60 @@ pub async fn accept(
     }
     let key = update_key(upload.batch_id, worker.id);
     let limit = size_limit(hub).await?;
-    match hub.blobs.size(&key).await? {
+    let bytes = match hub.blobs.get_bounded(&key, limit).await? {
         None => {
             return Err(ApiError::invalid(
                 "missing_upload",
                 "no update file at gradients_url; PUT it to the upload URL first",
             ));
         }
-        Some(size) if size > limit => {
+        Some(Bounded::TooLarge(_)) => {
             hub.blobs.delete(&key).await?;
-            return Err(ApiError::too_large(limit));
+            return Err(ApiError::too_large(Some(limit)));
         }
-        Some(_) => {}
-    }
-    let bytes = hub.blobs.get(&key).await?;
+        Some(Bounded::Fits(bytes)) => bytes,
+    };
     let model = hub.model.get(hub, &head).await?;
-    if let Err(e) = decode_update(&bytes, &model.schema, &upload.model_version) {
-        adjust_reputation(&hub.db.pool, &worker.id.to_string(), REPUTATION_INVALID).await?;
+    let values = match decode_update(&bytes, &model.schema, &upload.model_version) {
+        Ok(values) => values,
+        Err(e) => {
+            return refuse_file(
+                hub,
+                worker,
+                &key,
+                ApiError::unprocessable("invalid_update", e.to_string()),
+            )
+            .await;
+        }
+    };
+    let norm = l2_norm(&values);
+    drop(values);
+    if norm == 0.0 {
+        // Nothing to aggregate, and no work shown: no credit, no penalty.
         hub.blobs.delete(&key).await?;
-        return Err(ApiError::invalid_update(e.to_string()));
+        return Err(ApiError::unprocessable(
+            "empty_update",
+            "the update changes nothing (no values, or all zero); it earns nothing",
+        ));
     }
+    let (norm_reference, _) = store::versions::norm_reference(&hub.db.pool).await?;
+    let probation = worker.agreements < hub.policy.probation_agreements;
+    let verify = rand::rng().random_bool(verify_probability(
+        worker.agreements,
+        hub.policy.probation_agreements,
+        hub.policy.verify_fraction,
+    ));
+    // Before the hub has recomputed an update of its own, the norm screen has nothing to
+    // judge by: every update waits for a re-verification, which also gives the reference.
+    let no_reference = hub.policy.norm_bound.is_some() && norm_reference.is_none();
+    let gated = (verify && probation) || no_reference;
     let update_id = Uuid::new_v4();
-    let verify = rand::rng().random_bool(hub.policy.verify_fraction);
-    let now = now_ms();
-    let mut tx = hub.db.pool.begin().await?;
+    let sha256 = hex::encode(Sha256::digest(&bytes));
+    let mut tx = hub.db.pool.begin().await.map_err(anyhow::Error::from)?;
     // The batch row first: it is the write that decides between racing uploads.
-    let completed = sqlx::query(
-        "UPDATE training_batches SET status = 'completed', completed_at = $1, result_hash = $2 \
-         WHERE batch_id = $3 AND status = 'assigned' AND assigned_to = $4",
-    )
-    .bind(now)
-    .bind(sha256_hex(&bytes))
-    .bind(upload.batch_id.to_string())
-    .bind(worker.id.to_string())
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    if completed != 1 {
-        tx.rollback().await?;
-        return match existing_update(hub, upload.batch_id).await? {
+    if !store::batches::complete(&mut *tx, &batch_id, &worker.id.to_string(), &sha256).await? {
+        tx.rollback().await.map_err(anyhow::Error::from)?;
+        return match store::updates::live_for_batch(&hub.db.pool, &batch_id).await? {
             Some(existing) => duplicate_receipt(worker, existing),
             None => Err(ApiError::conflict(
                 "lease_lost",
@@ -253,33 +281,34 @@ pub async fn accept(
             )),
         };
     }
-    sqlx::query(
-        "INSERT INTO gradient_updates (update_id, worker_id, batch_id, model_version, gradient_url, loss, num_samples, num_tokens, uploaded_at, verification) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+    store::updates::insert(
+        &mut *tx,
+        store::updates::NewUpdate {
+            update_id: &update_id.to_string(),
+            worker_id: &worker.id.to_string(),
+            batch_id: &batch_id,
+            model_version: &upload.model_version,
+            key: &key,
+            loss: upload.loss,
+            num_samples: upload.num_samples,
+            num_tokens: row.num_tokens,
+            size_bytes: bytes.len() as i64,
+            sha256: &sha256,
+            norm,
+            verify: verify || gated,
+            gated,
+        },
     )
-    .bind(update_id.to_string())
-    .bind(worker.id.to_string())
-    .bind(upload.batch_id.to_string())
-    .bind(&upload.model_version)
-    .bind(&key)
-    .bind(upload.loss)
-    .bind(upload.num_samples)
-    .bind(lease.num_tokens)
-    .bind(now)
-    .bind(verify.then_some("queued"))
-    .execute(&mut *tx)
     .await?;
-    sqlx::query("UPDATE workers SET total_batches = total_batches + 1, total_tokens = total_tokens + $1 WHERE id = $2")
-        .bind(lease.num_tokens)
-        .bind(worker.id.to_string())
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
+    store::workers::count_upload(&mut *tx, &worker.id.to_string(), row.num_tokens).await?;
+    tx.commit().await.map_err(anyhow::Error::from)?;
     if let Err(e) = hub.queue.push(UPDATES, &[update_id.to_string()]).await {
         tracing::warn!(error = %e, "could not queue the update; the aggregator finds it in the database");
     }
-    let pending = pending_count(hub).await?;
-    if pending >= hub.policy.min_gradients as i64 {
+    if gated {
+        hub.verify_now.notify_one();
+    } else if store::updates::eligible_count(&hub.db.pool).await? >= hub.policy.min_gradients as i64
+    {
         hub.aggregate_now.notify_one();
     }
     Ok(UploadReceipt {
@@ -289,10 +318,21 @@ pub async fn accept(
     })
 }
 
-pub async fn pending_count(hub: &Hub) -> anyhow::Result<i64> {
-    Ok(
-        sqlx::query_scalar("SELECT COUNT(*) FROM gradient_updates WHERE status = 'pending'")
-            .fetch_one(&hub.db.pool)
-            .await?,
-    )
+/// The operator releases held updates: back to pending, for the next aggregation.
+pub async fn release_held(hub: &Hub) -> anyhow::Result<u64> {
+    let count = store::updates::release_held(&hub.db.pool).await?;
+    hub.aggregate_now.notify_one();
+    Ok(count)
+}
+
+/// The operator rejects held updates (no reputation is lost: nothing proved them wrong); their
+/// batches are redone.
+pub async fn reject_held(hub: &Hub) -> anyhow::Result<usize> {
+    let mut tx = hub.db.pool.begin().await?;
+    let batches = store::updates::reject_held(&mut *tx).await?;
+    for batch in &batches {
+        store::batches::redo(&mut *tx, batch, hub.policy.max_attempts).await?;
+    }
+    tx.commit().await?;
+    Ok(batches.len())
 }

@@ -9,12 +9,12 @@
 
 use crate::Hub;
 use crate::db::{now_ms, to_datetime};
+use crate::store;
 use anyhow::{Context, Result, anyhow, bail};
 use bytes::Bytes;
 use hrm_wire::ModelVersionInfo;
 use hrm_wire::update::{ParamSpec, Schema, read_checkpoint, write_checkpoint};
 use sha2::{Digest, Sha256};
-use sqlx::{AssertSqlSafe, Row};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -22,10 +22,7 @@ use std::sync::{Arc, Mutex};
 pub const MAX_VERSION_CHARS: usize = 16;
 
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex::encode(Sha256::digest(bytes))
 }
 
 pub fn checkpoint_key(version: &str) -> String {
@@ -85,20 +82,7 @@ impl ModelCache {
     }
 }
 
-/// A `model_versions` row.
-#[derive(Debug, Clone)]
-pub struct VersionRow {
-    pub version: String,
-    pub checkpoint_key: String,
-    pub sha256: String,
-    pub num_parameters: i64,
-    pub parent: Option<String>,
-    pub step: i64,
-    pub optimizer_key: Option<String>,
-    pub config: serde_json::Value,
-    pub metrics: serde_json::Value,
-    pub created_at: i64,
-}
+pub use crate::store::versions::VersionRow;
 
 impl VersionRow {
     pub fn info(&self) -> ModelVersionInfo {
@@ -115,53 +99,17 @@ impl VersionRow {
     }
 }
 
-const VERSION_COLUMNS: &str = "version, checkpoint_url, sha256, num_parameters, parent, step, optimizer_url, config, metrics, created_at";
-
-fn parse_row(row: &sqlx::any::AnyRow) -> Result<VersionRow> {
-    let json = |column: &str| -> Result<serde_json::Value> {
-        let text: String = row.try_get(column)?;
-        serde_json::from_str(&text).with_context(|| format!("corrupt {column} JSON"))
-    };
-    Ok(VersionRow {
-        version: row.try_get("version")?,
-        checkpoint_key: row.try_get("checkpoint_url")?,
-        sha256: row.try_get("sha256")?,
-        num_parameters: row.try_get("num_parameters")?,
-        parent: row.try_get("parent")?,
-        step: row.try_get("step")?,
-        optimizer_key: row.try_get("optimizer_url")?,
-        config: json("config")?,
-        metrics: json("metrics")?,
-        created_at: row.try_get("created_at")?,
-    })
-}
-
 pub async fn version_row(hub: &Hub, version: &str) -> Result<Option<VersionRow>> {
-    let row = sqlx::query(AssertSqlSafe(format!(
-        "SELECT {VERSION_COLUMNS} FROM model_versions WHERE version = $1"
-    )))
-    .bind(version)
-    .fetch_optional(&hub.db.pool)
-    .await?;
-    row.as_ref().map(parse_row).transpose()
+    store::versions::get(&hub.db.pool, version).await
 }
 
 /// Every version, oldest first.
 pub async fn all_versions(hub: &Hub) -> Result<Vec<VersionRow>> {
-    let rows = sqlx::query(AssertSqlSafe(format!(
-        "SELECT {VERSION_COLUMNS} FROM model_versions ORDER BY created_at, version"
-    )))
-    .fetch_all(&hub.db.pool)
-    .await?;
-    rows.iter().map(parse_row).collect()
+    store::versions::all(&hub.db.pool).await
 }
 
 pub async fn current_version(hub: &Hub) -> Result<Option<String>> {
-    Ok(
-        sqlx::query_scalar("SELECT current_version FROM hub_state WHERE id = 1")
-            .fetch_one(&hub.db.pool)
-            .await?,
-    )
+    store::versions::current(&hub.db.pool).await
 }
 
 pub async fn current_row(hub: &Hub) -> Result<Option<VersionRow>> {
@@ -180,20 +128,14 @@ pub async fn lag(hub: &Hub, head: &str, version: &str, limit: i64) -> Result<Opt
         if v == version {
             return Ok(Some(distance));
         }
-        cursor = sqlx::query_scalar("SELECT parent FROM model_versions WHERE version = $1")
-            .bind(&v)
-            .fetch_one(&hub.db.pool)
-            .await?;
+        cursor = store::versions::parent_of(&hub.db.pool, &v).await?;
     }
     Ok(None)
 }
 
 /// The name of the next version, from the counters in `hub_state`.
 pub async fn next_name(hub: &Hub) -> Result<String> {
-    let row = sqlx::query("SELECT branch, patch FROM hub_state WHERE id = 1")
-        .fetch_one(&hub.db.pool)
-        .await?;
-    let (branch, patch): (i64, i64) = (row.try_get("branch")?, row.try_get("patch")?);
+    let (branch, patch) = store::versions::counters(&hub.db.pool).await?;
     let name = format!("v0.{branch}.{}", patch + 1);
     if name.len() > MAX_VERSION_CHARS {
         bail!("version name {name} would exceed {MAX_VERSION_CHARS} characters");
@@ -274,25 +216,20 @@ async fn publish_first(
     let sha = sha256_hex(&file);
     hub.blobs.put(&checkpoint_key(&version), file).await?;
     let mut tx = hub.db.pool.begin().await?;
-    sqlx::query(
-        "INSERT INTO model_versions (version, checkpoint_url, sha256, num_parameters, parent, step, config, metrics, created_at) \
-         VALUES ($1, $2, $3, $4, NULL, 0, $5, $6, $7)",
-    )
-    .bind(&version)
-    .bind(checkpoint_key(&version))
-    .bind(&sha)
-    .bind(schema.num_parameters() as i64)
-    .bind(config.to_string())
-    .bind(serde_json::json!({"source": source}).to_string())
-    .bind(now_ms())
-    .execute(&mut *tx)
-    .await?;
-    let claimed = sqlx::query("UPDATE hub_state SET current_version = $1, branch = 1, patch = 0 WHERE id = 1 AND current_version IS NULL")
-        .bind(&version)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-    if claimed != 1 {
+    let row = VersionRow {
+        version: version.clone(),
+        checkpoint_key: checkpoint_key(&version),
+        sha256: sha,
+        num_parameters: schema.num_parameters() as i64,
+        parent: None,
+        step: 0,
+        optimizer_key: None,
+        config,
+        metrics: serde_json::json!({"source": source}),
+        created_at: now_ms(),
+    };
+    store::versions::insert(&mut *tx, &row).await?;
+    if !store::versions::start(&mut *tx, &version).await? {
         bail!("another process initialised this hub at the same time");
     }
     tx.commit().await?;
@@ -310,12 +247,7 @@ pub async fn rollback(hub: &Hub, version: &str) -> Result<ModelVersionInfo> {
     if current.as_deref() == Some(version) {
         bail!("{version} is already the current version");
     }
-    sqlx::query(
-        "UPDATE hub_state SET current_version = $1, branch = branch + 1, patch = 0 WHERE id = 1",
-    )
-    .bind(version)
-    .execute(&hub.db.pool)
-    .await?;
+    store::versions::roll_back_to(&hub.db.pool, version).await?;
     hub.announce_version(version, row.parent.clone());
     Ok(row.info())
 }

@@ -1,16 +1,17 @@
-//! Worker identity: registration with a client-generated key (only its SHA-256 is stored),
-//! the bearer-key extractor every authenticated route uses (with the rate limit and the
-//! reputation floor), and the worker's stats and the leaderboard.
+//! Worker identity: registration with a client-generated key (only its SHA-256 is stored) paid
+//! for with a proof of work, the bearer-key extractor every authenticated route uses (with the
+//! per-worker rate limit), and the worker's stats and the leaderboard.
 
 use crate::Hub;
+use crate::challenge::Refusal;
 use crate::db::{now_ms, to_datetime};
-use crate::error::{ApiError, ApiResult};
+use crate::store;
 use axum::extract::FromRequestParts;
 use axum::http::header::AUTHORIZATION;
 use axum::http::request::Parts;
+use hrm_http::{ApiError, ApiResult};
 use hrm_wire::{LeaderboardEntry, RegisterRequest, RegisterResponse, WorkerStats, badges_for};
 use sha2::{Digest, Sha256};
-use sqlx::Row;
 use std::sync::Arc;
 use subtle::ConstantTimeEq;
 use uuid::Uuid;
@@ -18,16 +19,13 @@ use uuid::Uuid;
 pub const MIN_KEY_CHARS: usize = 32;
 pub const MAX_KEY_CHARS: usize = 64;
 pub const MAX_USERNAME_CHARS: usize = 64;
+const MAX_HARDWARE_BYTES: usize = 4096;
 
 /// `last_seen` is written at most this often per worker, to keep reads from becoming writes.
 const LAST_SEEN_RESOLUTION_MS: i64 = 30_000;
 
 pub fn key_digest(key: &str) -> [u8; 32] {
     Sha256::digest(key.as_bytes()).into()
-}
-
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// An authenticated worker, as the extractor found it.
@@ -37,6 +35,8 @@ pub struct Worker {
     pub username: Option<String>,
     pub reputation_score: f64,
     pub total_batches: i64,
+    /// Agreeing re-verifications in a row (probation while below `--probation-agreements`).
+    pub agreements: i64,
 }
 
 fn bearer(parts: &Parts) -> Option<&str> {
@@ -47,6 +47,10 @@ fn bearer(parts: &Parts) -> Option<&str> {
         .ok()?
         .strip_prefix("Bearer ")
         .map(str::trim)
+}
+
+fn unauthorized() -> ApiError {
+    ApiError::unauthorized("missing or unknown API key in the `Authorization: Bearer` header")
 }
 
 /// Checks the key length and alphabet: printable ASCII without spaces.
@@ -60,11 +64,13 @@ fn check_key(key: &str) -> ApiResult<()> {
             format!(
                 "api_key must be {MIN_KEY_CHARS} to {MAX_KEY_CHARS} printable ASCII characters without spaces"
             ),
-        ));
+        )
+        .with_param("api_key"));
     }
     Ok(())
 }
 
+/// Registers a worker. The caller has already charged the registration to its IP address.
 pub async fn register(hub: &Hub, request: RegisterRequest) -> ApiResult<RegisterResponse> {
     check_key(&request.api_key)?;
     if let Some(name) = &request.username {
@@ -77,38 +83,46 @@ pub async fn register(hub: &Hub, request: RegisterRequest) -> ApiResult<Register
                 format!(
                     "username must be 1 to {MAX_USERNAME_CHARS} characters without control characters"
                 ),
-            ));
+            )
+            .with_param("username"));
         }
     }
     let hardware = request
         .hardware_info
         .unwrap_or_else(|| serde_json::json!({}));
-    if !hardware.is_object() || hardware.to_string().len() > 4096 {
+    if !hardware.is_object() || hardware.to_string().len() > MAX_HARDWARE_BYTES {
         return Err(ApiError::invalid(
             "invalid_hardware_info",
-            "hardware_info must be a JSON object of at most 4096 bytes",
-        ));
+            format!("hardware_info must be a JSON object of at most {MAX_HARDWARE_BYTES} bytes"),
+        )
+        .with_param("hardware_info"));
     }
+    let challenges = hub.challenges().await?;
+    challenges
+        .check(request.proof.as_ref(), &request.api_key)
+        .map_err(|refusal| {
+            let code = if refusal == Refusal::Missing {
+                "proof_required"
+            } else {
+                "invalid_proof"
+            };
+            ApiError::invalid(code, refusal.message(challenges.bits)).with_param("proof")
+        })?;
     let id = Uuid::new_v4();
     let created = now_ms();
-    let inserted = sqlx::query(
-        "INSERT INTO workers (id, api_key_hash, username, hardware_info, created_at, last_seen) \
-         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+    let key_hash = hex::encode(key_digest(&request.api_key));
+    let inserted = store::workers::insert(
+        &hub.db.pool,
+        &id.to_string(),
+        &key_hash,
+        request.username.as_deref(),
+        &hardware.to_string(),
+        created,
     )
-    .bind(id.to_string())
-    .bind(hex(&key_digest(&request.api_key)))
-    .bind(request.username.clone())
-    .bind(hardware.to_string())
-    .bind(created)
-    .bind(created)
-    .execute(&hub.db.pool)
-    .await?
-    .rows_affected();
-    if inserted == 0 {
+    .await?;
+    if !inserted {
         // Which unique column clashed decides the message; neither reveals another worker.
-        let key_taken = sqlx::query("SELECT 1 FROM workers WHERE api_key_hash = $1")
-            .bind(hex(&key_digest(&request.api_key)))
-            .fetch_optional(&hub.db.pool)
+        let key_taken = store::workers::by_key_hash(&hub.db.pool, &key_hash)
             .await?
             .is_some();
         return Err(if key_taken {
@@ -129,37 +143,29 @@ pub async fn register(hub: &Hub, request: RegisterRequest) -> ApiResult<Register
 
 /// Looks the worker up by its key's digest; `None` for an unknown key.
 pub async fn find_by_key(hub: &Hub, key: &str) -> ApiResult<Option<Worker>> {
-    let digest = key_digest(key);
-    let row = sqlx::query(
-        "SELECT id, api_key_hash, username, reputation_score, total_batches, last_seen \
-         FROM workers WHERE api_key_hash = $1",
-    )
-    .bind(hex(&digest))
-    .fetch_optional(&hub.db.pool)
-    .await?;
-    let Some(row) = row else { return Ok(None) };
-    let stored: String = row.try_get("api_key_hash")?;
+    let digest = hex::encode(key_digest(key));
+    let Some(row) = store::workers::by_key_hash(&hub.db.pool, &digest).await? else {
+        return Ok(None);
+    };
     // The lookup already matched; the constant-time comparison keeps it so if the query
     // ever changes to a prefix or case-insensitive match.
-    if !bool::from(stored.as_bytes().ct_eq(hex(&digest).as_bytes())) {
+    if !bool::from(row.api_key_hash.as_bytes().ct_eq(digest.as_bytes())) {
         return Ok(None);
     }
-    let id: String = row.try_get("id")?;
-    let id = Uuid::parse_str(&id).map_err(|e| anyhow::anyhow!("corrupt worker id {id}: {e}"))?;
-    let last_seen: Option<i64> = row.try_get("last_seen")?;
-    let now = now_ms();
-    if last_seen.is_none_or(|t| now - t > LAST_SEEN_RESOLUTION_MS) {
-        sqlx::query("UPDATE workers SET last_seen = $1 WHERE id = $2")
-            .bind(now)
-            .bind(id.to_string())
-            .execute(&hub.db.pool)
-            .await?;
+    let id = Uuid::parse_str(&row.id)
+        .map_err(|e| anyhow::anyhow!("corrupt worker id {}: {e}", row.id))?;
+    if row
+        .last_seen
+        .is_none_or(|t| now_ms() - t > LAST_SEEN_RESOLUTION_MS)
+    {
+        store::workers::touch(&hub.db.pool, &row.id).await?;
     }
     Ok(Some(Worker {
         id,
-        username: row.try_get("username")?,
-        reputation_score: row.try_get("reputation_score")?,
-        total_batches: row.try_get("total_batches")?,
+        username: row.username,
+        reputation_score: row.reputation_score,
+        total_batches: row.total_batches,
+        agreements: row.agreements,
     }))
 }
 
@@ -167,13 +173,15 @@ impl FromRequestParts<Arc<Hub>> for Worker {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, hub: &Arc<Hub>) -> ApiResult<Self> {
-        let key = bearer(parts).ok_or_else(ApiError::unauthorized)?;
-        let worker = find_by_key(hub, key)
-            .await?
-            .ok_or_else(ApiError::unauthorized)?;
-        hub.limiter
-            .check(worker.id)
-            .map_err(ApiError::rate_limited)?;
+        let key = bearer(parts).ok_or_else(unauthorized)?;
+        let worker = find_by_key(hub, key).await?.ok_or_else(unauthorized)?;
+        hub.worker_limit.check(&worker.id).map_err(|seconds| {
+            ApiError::too_many(
+                "rate_limited",
+                "too many requests from this worker; retry later",
+                seconds,
+            )
+        })?;
         Ok(worker)
     }
 }
@@ -199,7 +207,8 @@ impl Worker {
             return Err(ApiError::forbidden(
                 "worker_mismatch",
                 "worker_id does not belong to this API key",
-            ));
+            )
+            .with_param("worker_id"));
         }
         Ok(())
     }
@@ -218,93 +227,56 @@ impl FromRequestParts<Arc<Hub>> for Admin {
                 "this hub has no admin key (HRM_HUB_ADMIN_KEY); aggregation runs on its schedule only",
             ));
         };
-        let key = bearer(parts).ok_or_else(ApiError::unauthorized)?;
+        let key = bearer(parts).ok_or_else(unauthorized)?;
         if bool::from(key_digest(key).ct_eq(&expected)) {
             Ok(Admin)
         } else {
-            Err(ApiError::unauthorized())
+            Err(unauthorized())
         }
     }
 }
 
-/// Adds `delta` to a worker's reputation, within [0, REPUTATION_MAX].
-pub async fn adjust_reputation<'e, E>(executor: E, worker: &str, delta: f64) -> sqlx::Result<()>
-where
-    E: sqlx::Executor<'e, Database = sqlx::Any>,
-{
-    sqlx::query(
-        "UPDATE workers SET reputation_score = \
-         CASE WHEN reputation_score + $1 > $2 THEN $2 \
-              WHEN reputation_score + $1 < 0 THEN 0 ELSE reputation_score + $1 END \
-         WHERE id = $3",
-    )
-    .bind(delta)
-    .bind(crate::trust::REPUTATION_MAX)
-    .bind(worker)
-    .execute(executor)
-    .await?;
-    Ok(())
-}
-
 pub async fn stats(hub: &Hub, worker: &Worker) -> ApiResult<WorkerStats> {
     let id = worker.id.to_string();
-    let row = sqlx::query(
-        "SELECT username, total_batches, validated_batches, total_tokens, reputation_score, created_at, last_seen, \
-         (SELECT COUNT(*) FROM gradient_updates WHERE worker_id = $1 AND status = 'pending') AS pending, \
-         (SELECT COUNT(*) FROM gradient_updates WHERE worker_id = $1 AND status = 'rejected') AS rejected \
-         FROM workers WHERE id = $1",
-    )
-    .bind(&id)
-    .fetch_one(&hub.db.pool)
-    .await?;
-    let validated: i64 = row.try_get("validated_batches")?;
-    let rank: i64 =
-        sqlx::query_scalar("SELECT COUNT(*) + 1 FROM workers WHERE validated_batches > $1")
-            .bind(validated)
-            .fetch_one(&hub.db.pool)
-            .await?;
+    let row = store::workers::by_id(&hub.db.pool, &id)
+        .await?
+        .ok_or_else(unauthorized)?;
+    let (pending, rejected) = store::updates::counts_for_worker(&hub.db.pool, &id).await?;
+    let rank = store::workers::count_ahead(&hub.db.pool, row.validated_batches).await? + 1;
     Ok(WorkerStats {
         worker_id: worker.id,
-        username: row.try_get("username")?,
-        total_batches: row.try_get("total_batches")?,
-        validated_batches: validated,
-        total_tokens: row.try_get("total_tokens")?,
-        reputation_score: row.try_get("reputation_score")?,
-        updates_pending: row.try_get("pending")?,
-        updates_rejected: row.try_get("rejected")?,
-        badges: badges_for(validated),
-        rank: (validated > 0).then_some(rank),
-        created_at: to_datetime(row.try_get("created_at")?),
-        last_seen: row.try_get::<Option<i64>, _>("last_seen")?.map(to_datetime),
+        username: row.username,
+        total_batches: row.total_batches,
+        validated_batches: row.validated_batches,
+        total_tokens: row.total_tokens,
+        reputation_score: row.reputation_score,
+        updates_pending: pending,
+        updates_rejected: rejected,
+        badges: badges_for(row.validated_batches),
+        rank: (row.validated_batches > 0).then_some(rank),
+        created_at: to_datetime(row.created_at),
+        last_seen: row.last_seen.map(to_datetime),
     })
 }
 
 /// The top `limit` workers by validated batches (ties share a rank).
 pub async fn leaderboard(hub: &Hub, limit: i64) -> ApiResult<Vec<LeaderboardEntry>> {
-    let rows = sqlx::query(
-        "SELECT id, username, validated_batches, total_tokens, reputation_score FROM workers \
-         WHERE validated_batches > 0 ORDER BY validated_batches DESC, total_tokens DESC, created_at LIMIT $1",
-    )
-    .bind(limit)
-    .fetch_all(&hub.db.pool)
-    .await?;
+    let rows = store::workers::top(&hub.db.pool, limit).await?;
     let mut entries: Vec<LeaderboardEntry> = Vec::with_capacity(rows.len());
-    for (i, row) in rows.iter().enumerate() {
-        let validated: i64 = row.try_get("validated_batches")?;
+    for (i, row) in rows.into_iter().enumerate() {
         let rank = match entries.last() {
-            Some(prev) if prev.validated_batches == validated => prev.rank,
+            Some(prev) if prev.validated_batches == row.validated_batches => prev.rank,
             _ => i as i64 + 1,
         };
-        let id: String = row.try_get("id")?;
         entries.push(LeaderboardEntry {
             rank,
-            worker_id: Uuid::parse_str(&id)
-                .map_err(|e| anyhow::anyhow!("corrupt worker id {id}: {e}"))?,
-            username: row.try_get("username")?,
-            validated_batches: validated,
-            total_tokens: row.try_get("total_tokens")?,
-            reputation_score: row.try_get("reputation_score")?,
-            badges: badges_for(validated),
+            worker_id: Uuid::parse_str(&row.id)
+                .map_err(|e| anyhow::anyhow!("corrupt worker id {}: {e}", row.id))?,
+            username: row.username,
+            validated_batches: row.validated_batches,
+            total_tokens: row.total_tokens,
+            reputation_score: row.reputation_score,
+            badges: badges_for(row.validated_batches),
         });
     }
     Ok(entries)

@@ -103,7 +103,7 @@ async fn registration_login_and_auth_errors() {
         .send()
         .await
         .unwrap();
-    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(response.status(), StatusCode::UNPROCESSABLE_ENTITY);
     let body: hrm_wire::ErrorBody = response.json().await.unwrap();
     assert_eq!(body.error.code, "invalid_json");
     let count: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM workers")
@@ -398,10 +398,7 @@ async fn leases_are_single_expire_and_are_reassigned() {
         .execute(&t.hub.db.pool)
         .await
         .unwrap();
-    assert_eq!(
-        hrm_hub::batches::reap_expired_leases(&t.hub).await.unwrap(),
-        1
-    );
+    assert_eq!(hrm_hub::batches::reap(&t.hub).await.unwrap(), 1);
     let retaken = idle.lease().await.unwrap();
     assert_eq!(retaken.batch_id, first.batch_id);
     // The slow worker's late upload is refused: the batch is someone else's now.
@@ -420,13 +417,13 @@ async fn leases_are_single_expire_and_are_reassigned() {
         .execute(&t.hub.db.pool)
         .await
         .unwrap();
-    hrm_hub::batches::reap_expired_leases(&t.hub).await.unwrap();
+    hrm_hub::batches::reap(&t.hub).await.unwrap();
     let status = batch_status(&t.hub, first.batch_id).await;
     assert_eq!(status, "failed");
 }
 
 #[tokio::test]
-async fn outliers_are_rejected_and_cost_reputation() {
+async fn outliers_go_to_re_verification_and_lose_reputation_only_when_it_disagrees() {
     let t = start(policy(&[]), 8).await;
     let (_, before) = current_params(&t.hub).await;
     let mut honest_updates = Vec::new();
@@ -445,7 +442,7 @@ async fn outliers_are_rejected_and_cost_reputation() {
         AggregateOutcome::Success {
             version: "v0.1.1".into(),
             num_updates: 6,
-            rejected: 1
+            rejected: 0
         }
     );
     let (_, after) = current_params(&t.hub).await;
@@ -454,10 +451,23 @@ async fn outliers_are_rejected_and_cost_reputation() {
         max_abs_diff(&after, &expected) < 1e-6,
         "the poisoned update must not move the model"
     );
-    let statuses = update_statuses(&t.hub).await;
-    assert_eq!(statuses[&poisoned.update_id.to_string()].0, "rejected");
+    // Being far from the others is no proof (attackers could be the others): the update waits
+    // for the hub's own recomputation, and costs nothing yet.
+    let poisoned_id = poisoned.update_id.to_string();
+    assert_eq!(update_statuses(&t.hub).await[&poisoned_id].0, "pending");
     let stats = poisoner.client.worker_stats().await.unwrap();
-    assert!((stats.reputation_score - 0.8).abs() < 1e-9);
+    assert!((stats.reputation_score - 1.0).abs() < 1e-9);
+    // A second aggregation does not apply it while it waits.
+    assert!(matches!(
+        t.admin.aggregate().await.unwrap(),
+        AggregateOutcome::Waiting { pending: 0 }
+    ));
+    // The recomputation disagrees with the made-up update: now it is rejected and it costs.
+    let verdict = hrm_hub::verify::verify_next(&t.hub).await.unwrap().unwrap();
+    assert!(!verdict.agreed(), "{verdict:?}");
+    assert_eq!(update_statuses(&t.hub).await[&poisoned_id].0, "rejected");
+    let stats = poisoner.client.worker_stats().await.unwrap();
+    assert!((stats.reputation_score - 0.5).abs() < 1e-9);
     assert_eq!((stats.validated_batches, stats.updates_rejected), (0, 1));
     // Its batch goes back to the queue for someone else.
     let status = batch_status(&t.hub, poisoned_batch.batch_id).await;
@@ -743,41 +753,9 @@ async fn the_dashboard_and_public_routes_need_no_key() {
 
 #[tokio::test]
 async fn re_verification_recomputes_updates_and_moves_reputation() {
-    use hrm_model::train::ModelSpec;
-    use hrm_model::train::{LocalTraining, update_on_cpu};
     let t = start(policy(&["--verify-fraction", "1"]), 4).await;
-    let info = t.admin.current_model().await.unwrap();
-    let spec = ModelSpec::from_config_json(
-        &info.config.to_string(),
-        std::path::Path::new("config.json"),
-    )
-    .unwrap();
-    // Leases a batch and trains it exactly as the plan says.
-    async fn train(
-        worker: &SimWorker,
-        spec: &ModelSpec,
-    ) -> (hrm_wire::BatchAssignment, Schema, Vec<f32>) {
-        let batch = worker.lease().await.unwrap();
-        let (schema, params) = worker.checkpoint(&batch.model_version).await;
-        let samples = hrm_wire::samples::decode_samples(
-            &worker.client.download(&batch.data_url).await.unwrap(),
-        )
-        .unwrap();
-        let plan = LocalTraining::from_plan(&batch.plan, 2);
-        let delta = update_on_cpu(spec, &schema, &params, &samples, &plan)
-            .unwrap()
-            .flat;
-        assert!(delta.iter().any(|v| *v != 0.0));
-        (batch, schema, delta)
-    }
-
     let honest_worker = SimWorker::join(&t.url, "trainer").await;
-    let (batch, schema, delta) = train(&honest_worker, &spec).await;
-    let file = encode_update(&schema, &delta, &batch.model_version, Encoding::Dense);
-    honest_worker
-        .upload(&batch, &batch.model_version, file)
-        .await
-        .unwrap();
+    honest_worker.contribute_honestly().await;
 
     // A lazy one uploads something plausible-looking that it never computed.
     let lazy = SimWorker::join(&t.url, "lazy").await;
@@ -787,14 +765,16 @@ async fn re_verification_recomputes_updates_and_moves_reputation() {
     // whole update it would score about 0.5), one pointing the other way does not.
     let top_k = Encoding::TopK { ratio: 0.1 };
     let compressing = SimWorker::join(&t.url, "compressing").await;
-    let (batch, schema, delta) = train(&compressing, &spec).await;
+    let batch = compressing.lease().await.unwrap();
+    let (schema, delta) = compressing.train(&batch).await;
     let file = encode_update(&schema, &delta, &batch.model_version, top_k);
     compressing
         .upload(&batch, &batch.model_version, file)
         .await
         .unwrap();
     let reversing = SimWorker::join(&t.url, "reversing").await;
-    let (batch, schema, delta) = train(&reversing, &spec).await;
+    let batch = reversing.lease().await.unwrap();
+    let (schema, delta) = reversing.train(&batch).await;
     let reversed: Vec<f32> = delta.iter().map(|v| -v).collect();
     let file = encode_update(&schema, &reversed, &batch.model_version, top_k);
     reversing
@@ -802,10 +782,11 @@ async fn re_verification_recomputes_updates_and_moves_reputation() {
         .await
         .unwrap();
 
-    let mut cosines = Vec::new();
-    while let Some(cosine) = hrm_hub::verify::verify_next(&t.hub).await.unwrap() {
-        cosines.push(cosine);
-    }
+    let cosines: Vec<f64> = verify_all(&t.hub)
+        .await
+        .iter()
+        .map(|v| v.cosine().unwrap())
+        .collect();
     assert_eq!(cosines.len(), 4);
     assert!(
         cosines[0] > 0.999,

@@ -9,6 +9,8 @@ use uuid::Uuid;
 pub enum ClientError {
     #[error("bad hub URL: {0}")]
     Url(String),
+    #[error("could not compute the registration proof: {0}")]
+    Proof(String),
     #[error("cannot reach the hub: {0}")]
     Transport(#[from] reqwest::Error),
     /// The hub answered with its error body.
@@ -104,10 +106,30 @@ impl HubClient {
         username: Option<&str>,
         hardware_info: Option<serde_json::Value>,
     ) -> Result<RegisterResponse, ClientError> {
+        let challenge: Challenge =
+            Self::send(self.request(Method::GET, "api/v1/auth/challenge")?).await?;
+        let proof = if challenge.bits == 0 {
+            None
+        } else {
+            // About 2^bits hashes: seconds of one core, off the async runtime's threads.
+            let (key, text, bits) = (
+                self.api_key.clone(),
+                challenge.challenge.clone(),
+                challenge.bits,
+            );
+            let nonce = tokio::task::spawn_blocking(move || crate::pow::solve(&text, &key, bits))
+                .await
+                .map_err(|e| ClientError::Proof(e.to_string()))?;
+            Some(crate::pow::Proof {
+                challenge: challenge.challenge,
+                nonce,
+            })
+        };
         let body = RegisterRequest {
             api_key: self.api_key.clone(),
             username: username.map(str::to_string),
             hardware_info,
+            proof,
         };
         Self::send(
             self.request(Method::POST, "api/v1/auth/register")?

@@ -7,6 +7,7 @@
 #[cfg(feature = "client")]
 pub mod client;
 pub mod messages;
+pub mod pow;
 pub mod samples;
 pub mod update;
 

@@ -15,6 +15,19 @@ pub struct RegisterRequest {
     pub username: Option<String>,
     #[serde(default)]
     pub hardware_info: Option<serde_json::Value>,
+    /// The proof of work for a challenge from `GET /api/v1/auth/challenge` (required unless the
+    /// hub's difficulty is 0).
+    #[serde(default)]
+    pub proof: Option<crate::pow::Proof>,
+}
+
+/// `GET /api/v1/auth/challenge`: what registration must prove work on.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct Challenge {
+    pub challenge: String,
+    /// Leading zero bits the proof's hash needs (0: no work needed).
+    pub bits: u32,
+    pub expires_at: DateTime<Utc>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -162,8 +175,16 @@ pub enum AggregateOutcome {
     Success {
         version: String,
         num_updates: i64,
-        /// Updates refused by the outlier screen or the robust rule.
+        /// Updates refused by the screens.
         rejected: i64,
+    },
+    /// Publishing would have raised the validation loss beyond the tolerance although every
+    /// update in the round was re-verified: nothing was published, the updates are held for the
+    /// operator (`hrm hub held`).
+    Held {
+        held: i64,
+        valid_loss: f64,
+        parent_valid_loss: f64,
     },
 }
 
@@ -187,6 +208,12 @@ pub struct GlobalStats {
     pub updates_pending: i64,
     pub updates_aggregated: i64,
     pub updates_rejected: i64,
+    /// Updates waiting for their re-verification before they may be aggregated.
+    #[serde(default)]
+    pub updates_awaiting_verification: i64,
+    /// Updates of a round held for the operator (`hrm hub held`).
+    #[serde(default)]
+    pub updates_held: i64,
     pub total_tokens: i64,
     pub last_aggregation_at: Option<DateTime<Utc>>,
 }
@@ -255,7 +282,8 @@ pub enum StatusEvent {
     },
 }
 
-/// The one error body of the hub: `{"error": {"message", "type", "code"}}`.
+/// The one error body of the hub: `{"error": {"message", "type", "param", "code"}}` (the
+/// client's reading of what `hrm_http::ApiError` writes).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ErrorBody {
     pub error: ErrorDetail,
@@ -266,5 +294,7 @@ pub struct ErrorDetail {
     pub message: String,
     #[serde(rename = "type")]
     pub kind: String,
+    #[serde(default)]
+    pub param: Option<String>,
     pub code: String,
 }

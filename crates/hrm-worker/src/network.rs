@@ -71,6 +71,13 @@ async fn follow_once(client: &HubClient, url: &str, status: &Status) -> anyhow::
             }) => status.info(format!(
                 "aggregation: {num_updates} updates into {version} ({rejected} rejected)"
             )),
+            StatusEvent::Aggregation(AggregateOutcome::Held {
+                held,
+                valid_loss,
+                parent_valid_loss,
+            }) => status.info(format!(
+                "aggregation held {held} updates: the validation loss would rise from {parent_valid_loss:.3} to {valid_loss:.3}"
+            )),
             StatusEvent::Aggregation(AggregateOutcome::Waiting { .. }) => {}
             StatusEvent::Stats(stats) => {
                 status.update(|v| v.network = Some(stats));

@@ -560,7 +560,7 @@ impl Retryable for ClientError {
             ClientError::Api { status, .. } => {
                 status.is_server_error() || *status == StatusCode::TOO_MANY_REQUESTS
             }
-            ClientError::Url(_) => false,
+            ClientError::Url(_) | ClientError::Proof(_) => false,
         }
     }
 

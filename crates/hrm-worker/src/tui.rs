@@ -419,6 +419,8 @@ mod tests {
                 updates_pending: 2,
                 updates_aggregated: 40,
                 updates_rejected: 1,
+                updates_awaiting_verification: 0,
+                updates_held: 0,
                 total_tokens: 1_000_000,
                 last_aggregation_at: None,
             });

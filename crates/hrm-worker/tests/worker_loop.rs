@@ -6,6 +6,7 @@
 mod hub;
 
 use candle_core::Device;
+use hrm_hub::verify::Verdict;
 use hrm_worker::config::{BatchSize, WorkerConfig};
 use hrm_worker::resources::ResourceArgs;
 use hrm_worker::{SessionEnd, Settings, Status, View, Worker, WorkerState};
@@ -98,8 +99,11 @@ async fn a_worker_registers_trains_what_the_plan_says_and_stops_at_its_limit() {
 
     // The hub recomputes every upload with the plan it handed out: they agree.
     for _ in 0..3 {
-        let cosine = hrm_hub::verify::verify_next(&t.hub).await.unwrap().unwrap();
-        assert!(cosine > 0.9999, "cosine {cosine}");
+        let verdict = hrm_hub::verify::verify_next(&t.hub).await.unwrap().unwrap();
+        assert!(
+            matches!(verdict, Verdict::Agreed { cosine } if cosine > 0.9999),
+            "{verdict:?}"
+        );
     }
 
     // The next session logs in with the same key and loads the checkpoint from the cache.

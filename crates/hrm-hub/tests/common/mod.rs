@@ -73,7 +73,9 @@ pub fn tokens(count: usize, seed: u32) -> Vec<u32> {
 }
 
 /// Policy flags over test defaults: aggregation only when asked (an hour apart), one update
-/// enough, no re-verification, no validation windows unless the test says so.
+/// enough, no re-verification, no validation windows, and none of the defences against
+/// hostile workers that need honest training (probation, the norm screen) or cost time (the
+/// registration proof of work), unless the test says so: `tests/hostile.rs` runs with them.
 pub fn policy(extra: &[&str]) -> Policy {
     #[derive(Parser)]
     #[command(args_override_self = true)]
@@ -95,6 +97,39 @@ pub fn policy(extra: &[&str]) -> Policy {
         "1000",
         "--rate-per-second",
         "1000",
+        "--probation-agreements",
+        "0",
+        "--norm-bound",
+        "0",
+        "--challenge-bits",
+        "0",
+        "--register-burst",
+        "1000",
+    ];
+    argv.extend_from_slice(extra);
+    Args::try_parse_from(argv).unwrap().policy.policy().unwrap()
+}
+
+/// The hub's defaults, but aggregating only when the test asks and on one update, with no
+/// random re-verification (probation's is deterministic for new workers) and a cheaper proof
+/// of work: every defence against hostile workers is on.
+pub fn defended_policy(extra: &[&str]) -> Policy {
+    #[derive(Parser)]
+    #[command(args_override_self = true)]
+    struct Args {
+        #[command(flatten)]
+        policy: PolicyArgs,
+    }
+    let mut argv = vec![
+        "hub",
+        "--aggregation-interval",
+        "3600",
+        "--min-gradients-for-update",
+        "1",
+        "--verify-fraction",
+        "0",
+        "--challenge-bits",
+        "8",
     ];
     argv.extend_from_slice(extra);
     Args::try_parse_from(argv).unwrap().policy.policy().unwrap()
@@ -168,7 +203,16 @@ pub async fn serve(
     // The routes only: tests drive aggregation and the other loops themselves, so that
     // nothing runs behind their back.
     let router = hrm_hub::routes::router(hub.clone());
-    let server = tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let server = tokio::spawn(async move {
+        hrm_http::serve(
+            listener,
+            router,
+            &hrm_http::ConnectionLimits::default(),
+            std::future::pending(),
+        )
+        .await
+        .unwrap()
+    });
     TestHub {
         hub,
         admin: HubClient::new(&url, ADMIN_KEY).unwrap(),
@@ -238,6 +282,38 @@ impl SimWorker {
         read_checkpoint(&bytes).unwrap()
     }
 
+    /// The update an honest worker computes for `batch`: the plan's local training, on the CPU,
+    /// as `hrm worker` and the hub's re-verification run it.
+    pub async fn train(&self, batch: &BatchAssignment) -> (Schema, Vec<f32>) {
+        use hrm_model::train::{LocalTraining, update_on_cpu};
+        let spec =
+            ModelSpec::from_config_json(&tiny_config().to_string(), Path::new("config.json"))
+                .unwrap();
+        let (schema, params) = self.checkpoint(&batch.model_version).await;
+        let samples = hrm_wire::samples::decode_samples(
+            &self.client.download(&batch.data_url).await.unwrap(),
+        )
+        .unwrap();
+        let plan = LocalTraining::from_plan(&batch.plan, 2);
+        let delta = update_on_cpu(&spec, &schema, &params, &samples, &plan)
+            .unwrap()
+            .flat;
+        assert!(delta.iter().any(|v| *v != 0.0));
+        (schema, delta)
+    }
+
+    /// Leases a batch, trains it honestly and uploads the update (dense).
+    pub async fn contribute_honestly(&self) -> (BatchAssignment, UploadReceipt, Vec<f32>) {
+        let batch = self.lease().await.expect("a batch is pending");
+        let (schema, update) = self.train(&batch).await;
+        let file = encode_update(&schema, &update, &batch.model_version, Encoding::Dense);
+        let receipt = self
+            .upload(&batch, &batch.model_version, file)
+            .await
+            .unwrap();
+        (batch, receipt, update)
+    }
+
     /// Uploads `update` for the leased batch as computed on `version`.
     pub async fn upload(
         &self,
@@ -282,6 +358,24 @@ pub async fn current_params(hub: &Hub) -> (String, Vec<f32>) {
     let row = hrm_hub::versions::current_row(hub).await.unwrap().unwrap();
     let bytes = hub.blobs.get(&row.checkpoint_key).await.unwrap();
     (row.version, read_checkpoint(&bytes).unwrap().1)
+}
+
+/// Runs every queued re-verification; returns the verdicts in order.
+pub async fn verify_all(hub: &Hub) -> Vec<hrm_hub::verify::Verdict> {
+    let mut verdicts = Vec::new();
+    while let Some(verdict) = hrm_hub::verify::verify_next(hub).await.unwrap() {
+        verdicts.push(verdict);
+    }
+    verdicts
+}
+
+/// A worker's reputation, read from the database.
+pub async fn reputation(hub: &Hub, worker: Uuid) -> f64 {
+    sqlx::query_scalar("SELECT reputation_score FROM workers WHERE id = $1")
+        .bind(worker.to_string())
+        .fetch_one(&hub.db.pool)
+        .await
+        .unwrap()
 }
 
 /// `status` of every gradient update, keyed by update id.
