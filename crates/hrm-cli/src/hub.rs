@@ -11,7 +11,7 @@ use std::sync::Arc;
 #[derive(Subcommand)]
 pub enum HubCommand {
     /// Serve the hub's /api/v1 interface, the status feed and the dashboard.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Publish the first model version from a Hugging Face checkpoint directory.
     Init(InitArgs),
     /// Cut a corpus into pre-chunked batches (gzip JSON lines) and queue them.
@@ -142,7 +142,7 @@ pub fn run(command: HubCommand) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
         match command {
-            HubCommand::Serve(args) => serve(args).await,
+            HubCommand::Serve(args) => serve(*args).await,
             HubCommand::Init(args) => {
                 let hub = open(&args.storage).await?;
                 let info = match (&args.model, &args.config) {

@@ -253,7 +253,7 @@ impl PolicyArgs {
         if !(self.norm_bound == 0.0 || self.norm_bound > 1.0) || !self.norm_bound.is_finite() {
             bail!("--norm-bound must be 0 (off) or above 1");
         }
-        if !(self.max_loss_increase >= 0.0) {
+        if self.max_loss_increase.is_nan() || self.max_loss_increase < 0.0 {
             bail!("--max-loss-increase must be 0 or more");
         }
         if self.challenge_bits > 40 {
@@ -261,8 +261,10 @@ impl PolicyArgs {
         }
         if self.register_burst == 0
             || self.ip_burst == 0
-            || !(self.register_per_hour > 0.0)
-            || !(self.ip_per_second > 0.0)
+            || !self.register_per_hour.is_finite()
+            || self.register_per_hour <= 0.0
+            || !self.ip_per_second.is_finite()
+            || self.ip_per_second <= 0.0
             || self.ws_max_connections == 0
             || self.probation_agreements < 0
         {

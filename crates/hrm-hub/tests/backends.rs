@@ -13,6 +13,7 @@ use hrm_hub::blobs::Blobs;
 use hrm_hub::db::Db;
 use hrm_hub::queue::Queue;
 use hrm_wire::AggregateOutcome;
+use hrm_wire::update::{Encoding, encode_update};
 use object_store::aws::AmazonS3Builder;
 use sqlx::Connection;
 use std::collections::HashSet;
@@ -154,15 +155,55 @@ async fn the_network_runs_on_postgres_redis_and_s3() {
         contributions.push((update, batch.num_samples));
     }
     shared.flush_redis().await;
+    // What was accepted is what is aggregated: a worker that writes its object again through
+    // its presigned URL after acceptance has its update rejected, and pays for it.
+    let rewriter = SimWorker::join(&t.url, "rewriter").await;
+    let batch = rewriter.lease().await.unwrap();
+    let (schema, _) = rewriter.checkpoint(&batch.model_version).await;
+    let target = rewriter
+        .client
+        .upload_target(rewriter.id, batch.batch_id)
+        .await
+        .unwrap();
+    assert!(target.url.starts_with(&shared.s3.0), "{}", target.url);
+    let honest_file = encode_update(
+        &schema,
+        &honest(batch.batch_id, schema.num_parameters()),
+        &batch.model_version,
+        Encoding::Dense,
+    );
+    rewriter
+        .client
+        .put_update(&target, honest_file)
+        .await
+        .unwrap();
+    rewriter
+        .client
+        .upload_gradients(&hrm_wire::GradientUpload {
+            worker_id: rewriter.id,
+            batch_id: batch.batch_id,
+            model_version: batch.model_version.clone(),
+            gradients_url: target.gradients_url.clone(),
+            loss: 3.5,
+            num_samples: batch.num_samples,
+        })
+        .await
+        .unwrap();
+    let poisoned = vec![1.0; schema.num_parameters()];
+    let file = encode_update(&schema, &poisoned, &batch.model_version, Encoding::Dense);
+    rewriter.client.put_update(&target, file).await.unwrap();
     let outcome = t.admin.aggregate().await.unwrap();
     assert_eq!(
         outcome,
         AggregateOutcome::Success {
             version: "v0.1.1".into(),
             num_updates: 5,
-            rejected: 0
+            rejected: 1
         }
     );
+    let stats = rewriter.client.worker_stats().await.unwrap();
+    assert_eq!(stats.updates_rejected, 1);
+    assert!((stats.reputation_score - 0.9).abs() < 1e-9);
     let (_, after) = current_params(&t.hub).await;
     let expected = after_plain_step(&before, &contributions, 1.0);
     assert!(max_abs_diff(&after, &expected) < 1e-6);

@@ -130,6 +130,9 @@ pub fn defended_policy(extra: &[&str]) -> Policy {
         "0",
         "--challenge-bits",
         "8",
+        // Every simulated worker registers from 127.0.0.1.
+        "--register-burst",
+        "1000",
     ];
     argv.extend_from_slice(extra);
     Args::try_parse_from(argv).unwrap().policy.policy().unwrap()
