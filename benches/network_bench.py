@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The benchmark figures of the training network (issue #6), measured on this machine.
+"""The benchmark figures of the training network, measured on this machine.
 
     python3 benches/network_bench.py --hrm target/release/hrm [--batches 48] [--only parity]
 
@@ -18,6 +18,12 @@ is the same initialisation as `hrm train --seed 0`. It reports, as one JSON obje
                  last ones), the same inner plan and outer schedule, under plain FedAvg without the outlier screen, FedAvg with it,
                  Krum and the coordinate-wise median, next to the honest workers alone in
                  the same rounds
+  * adversarial  honest workers beside a bloc of hostile identities (20% and 30% of them), one
+                 attack at a time, on the hub's default defences: scaled updates (x-10, 1e30),
+                 sign flip, random noise, "a little is enough", colluding copies, a Sybil flood of
+                 50 identities, free riders and lease hoarders; each row gives the final
+                 validation loss against the clean run, the hostile updates applied, the honest
+                 workers penalised or banned and the hub's peak RSS
 Losses are scored alike by `hrm bench perplexity` on the same evenly spaced validation windows.
 Uses only the Python standard library; it is a benchmark, not a test, and is not run in CI.
 """
@@ -55,7 +61,7 @@ def run(cmd, **kw):
 class Network:
     """A hub and its workers in one temporary directory."""
 
-    def __init__(self, args, work, hub_flags):
+    def __init__(self, args, work, hub_flags, eval_windows=0):
         self.args, self.work = args, work
         self.data = os.path.join(work, "hub")
         run([args.hrm, "hub", "init", "--config", args.config, "--seed", "0", "--data-dir", self.data])
@@ -65,7 +71,7 @@ class Network:
         self.url = f"http://127.0.0.1:{free_port()}"
         self.hub = subprocess.Popen(
             [args.hrm, "hub", "serve", "--addr", self.url[7:], "--data-dir", self.data,
-             "--eval-windows", "0",
+             "--eval-windows", str(eval_windows),
              "--inner-steps", str(args.inner_steps), "--inner-lr", str(args.inner_lr),
              "--inner-warmup-steps", str(args.inner_warmup)]
             # Re-verification recomputes updates on the hub's CPU, which the workers share.
@@ -94,22 +100,53 @@ class Network:
             stderr=open(log, "w"))
         self.workers.append((proc, log))
 
-    def add_hostile(self):
+    def add_hostile(self, mode="scale", factor=-10.0, identities=1):
         log = os.path.join(self.work, "hostile.log")
         proc = subprocess.Popen([self.args.hrm, "bench", "hostile-worker", "--url", self.url,
-                                 "--mode", "scale", "--factor", "-10"],
+                                 "--mode", mode, "--factor", str(factor), "--identities", str(identities)],
                                 stdout=open(log, "w"), stderr=subprocess.STDOUT,
                                 env={**os.environ, "RAYON_NUM_THREADS": str(self.args.threads)})
+        self.hostile = proc
         self.workers.append((proc, log))
 
     def wait_done(self):
-        """Until every batch is completed and every update aggregated or rejected."""
+        """Until every batch is completed and every update aggregated or rejected. Once no batch
+        is left to lease, the attacker is stopped, so that batches it holds come back."""
         while True:
             stats = get_json(self.url + "/api/v1/stats/global")
             b = stats["batches"]
+            if b["pending"] == 0 and getattr(self, "hostile", None) and self.hostile.poll() is None:
+                self.hostile.send_signal(signal.SIGTERM)
             if b["pending"] == 0 and b["assigned"] == 0 and stats["updates_pending"] == 0:
                 return stats
             time.sleep(1)
+
+    def peak_rss_mib(self):
+        """The hub's peak resident memory so far (VmHWM)."""
+        for line in open(f"/proc/{self.hub.pid}/status"):
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+        return None
+
+    def trust_report(self):
+        """What the attack achieved, read from the hub's database: hostile updates applied,
+        honest workers penalised (an update rejected, or a re-verification that disagreed) or
+        banned (reputation below the floor)."""
+        import sqlite3
+        db = sqlite3.connect(os.path.join(self.data, "hub.db"))
+        q = lambda sql: db.execute(sql).fetchall()
+        hostile = "w.username LIKE 'hostile%'"
+        report = {
+            "hostile_identities": q(f"SELECT COUNT(*) FROM workers w WHERE {hostile}")[0][0],
+            "hostile_updates_accepted": q(f"SELECT COUNT(*) FROM gradient_updates u JOIN workers w ON u.worker_id = w.id WHERE {hostile}")[0][0],
+            "hostile_updates_applied": q(f"SELECT COUNT(*) FROM gradient_updates u JOIN workers w ON u.worker_id = w.id WHERE {hostile} AND u.status = 'aggregated'")[0][0],
+            "honest_penalised": q(f"SELECT COUNT(DISTINCT w.id) FROM gradient_updates u JOIN workers w ON u.worker_id = w.id WHERE NOT {hostile} AND (u.status = 'rejected' OR u.verification = 'disagreed')")[0][0],
+            "honest_banned": q(f"SELECT COUNT(*) FROM workers w WHERE NOT {hostile} AND w.reputation_score < 0.3")[0][0],
+            "updates_held": q("SELECT COUNT(*) FROM gradient_updates WHERE status = 'held'")[0][0],
+            "reverified": q("SELECT COUNT(*) FROM gradient_updates WHERE verification IN ('agreed', 'disagreed')")[0][0],
+        }
+        db.close()
+        return report
 
     def stop(self):
         for proc, _ in self.workers:
@@ -150,27 +187,32 @@ def worker_rates(log):
     return rates
 
 
-def network_run(args, name, hub_flags, workers=3, compress=False, hostile=False):
+def network_run(args, name, hub_flags, workers=3, compress=False, hostile=None, eval_windows=0):
+    """One network run; `hostile` is the attacker's `hrm bench hostile-worker` settings."""
     work = tempfile.mkdtemp(prefix=f"hrm-net-{name}-")
-    net = Network(args, work, hub_flags)
+    net = Network(args, work, hub_flags, eval_windows)
     started = time.time()
     for i in range(workers):
         net.add_worker(f"w{i}", ["--compress-gradients", "true", "--compression-ratio", str(args.topk_ratio)]
                        if compress else [])
     if hostile:
-        net.add_hostile()
+        net.add_hostile(**hostile)
     stats = net.wait_done()
     seconds = time.time() - started
     model, version = net.final_model()
+    peak_rss = net.peak_rss_mib()
+    trust = net.trust_report()
     upload = []
     for i in range(workers):
         upload += [int(m) for m in re.findall(r"uploaded batch \S+ \((\d+) KiB", open(os.path.join(work, f"w{i}.log")).read())]
     net.stop()
     result = {"valid_loss": perplexity(args, model), "version": version, "seconds": round(seconds, 1),
               "updates_aggregated": stats["updates_aggregated"], "updates_rejected": stats["updates_rejected"],
-              "upload_kib_per_batch": round(sum(upload) / max(len(upload), 1), 1), "dir": work}
+              "upload_kib_per_batch": round(sum(upload) / max(len(upload), 1), 1),
+              "hub_peak_rss_mib": peak_rss, **trust, "dir": work}
     if hostile:
         result["hostile"] = open(os.path.join(work, "hostile.log")).read().strip().splitlines()[-1:]
+        result["attack"] = hostile
     print(name, json.dumps(result), flush=True)
     return result
 
@@ -205,7 +247,9 @@ def main():
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=1, help="CPU threads per process")
     p.add_argument("--eval-windows", type=int, default=64)
-    p.add_argument("--only", default="throughput,parity,hostile")
+    p.add_argument("--only", default="throughput,parity,hostile,adversarial")
+    p.add_argument("--attacks", default="", help="comma-separated subset of the adversarial attacks (default: all)")
+    p.add_argument("--fractions", default="0.2,0.3", help="hostile shares of the identities in the adversarial runs")
     p.add_argument("--hub-flags", default="--min-gradients-for-update 3 --outer-schedule cosine", help="extra `hrm hub serve` flags for the parity runs")
     p.add_argument("--hostile-runs", default="", help="comma-separated subset of honest_reference,"
                    "fedavg_no_screen,fedavg_screen,krum,median (default: all)")
@@ -258,16 +302,51 @@ def main():
         # run ends only when that lease expires and an honest worker takes the batch over.
         rounds = ["--min-gradients-for-update", "3", "--aggregation-interval", "20", "--outer-schedule", "cosine",
                   "--lease-seconds", "60"]
+        scaled = {"mode": "scale", "factor": -10}
         runs = {
-            "honest_reference": ("h-none", [], False),
-            "fedavg_no_screen": ("h-mean-noscreen", ["--outlier-sigmas", "1e9"], True),
-            "fedavg_screen": ("h-mean", [], True),
-            "krum": ("h-krum", ["--rule", "krum"], True),
-            "median": ("h-median", ["--rule", "median"], True),
+            "honest_reference": ("h-none", [], None),
+            "fedavg_no_screen": ("h-mean-noscreen", ["--outlier-sigmas", "1e9"], scaled),
+            "fedavg_screen": ("h-mean", [], scaled),
+            "krum": ("h-krum", ["--rule", "krum"], scaled),
+            "median": ("h-median", ["--rule", "median"], scaled),
         }
         wanted = args.hostile_runs.split(",") if args.hostile_runs else list(runs)
         report["hostile"] = {key: network_run(args, name, rounds + flags, hostile=hostile)
                              for key, (name, flags, hostile) in runs.items() if key in wanted}
+
+    if "adversarial" in only:
+        # Honest workers train the MoE beside a bloc of hostile identities, on the hub's default
+        # defences (probation, norm screen, validation-loss gate on 16 windows, proof of work),
+        # in rounds of 3 updates. All processes share 127.0.0.1, so the per-address
+        # registration burst is raised by the honest workers' count: the attacker still meets
+        # the default 5.
+        attacks = {
+            "scale_x-10": {"mode": "scale", "factor": -10},
+            "scale_1e30": {"mode": "scale", "factor": 1e30},
+            "sign_flip": {"mode": "sign-flip"},
+            "random_noise": {"mode": "random", "factor": 1},
+            "little_is_enough": {"mode": "little", "factor": 1},
+            "colluding_copies": {"mode": "collude"},
+            "sybil_flood_50": {"mode": "collude", "identities": 50},
+            "free_riders": {"mode": "zero"},
+            "lease_hoarders": {"mode": "hoard"},
+        }
+        wanted = args.attacks.split(",") if args.attacks else list(attacks)
+        report["adversarial"] = {}
+        for fraction in [float(f) for f in args.fractions.split(",")]:
+            # 20%: 8 honest and 2 hostile identities; 30%: 7 and 3.
+            hostile_ids = round(10 * fraction)
+            honest = 10 - hostile_ids
+            rounds = ["--min-gradients-for-update", "3", "--aggregation-interval", "20",
+                      "--outer-schedule", "cosine", "--lease-seconds", "60",
+                      "--register-burst", str(honest + 5)]
+            rows = {"clean": network_run(args, f"adv-{honest}-clean", rounds, workers=honest, eval_windows=16)}
+            for key in wanted:
+                attack = {"identities": hostile_ids, **attacks[key]}
+                rows[key] = network_run(args, f"adv-{honest}-{key}", rounds, workers=honest,
+                                        hostile=attack, eval_windows=16)
+                rows[key]["loss_vs_clean"] = round(rows[key]["valid_loss"] / rows["clean"]["valid_loss"] - 1, 4)
+            report["adversarial"][f"{int(fraction * 100)}%"] = rows
     print(json.dumps(report, indent=2))
 
 
