@@ -195,6 +195,19 @@ async fn run_locked(hub: &Hub) -> Result<AggregateOutcome> {
     let model = hub.model.get(hub, &head.version).await?;
     let pending = pending_updates(hub).await?;
     let (norm_reference, _) = store::versions::norm_reference(&hub.db.pool).await?;
+    if policy.norm_bound.is_some() && norm_reference.is_none() {
+        // Nothing can be screened before the hub has recomputed one update itself: it waits,
+        // with one recomputation queued.
+        if store::updates::queued_count(&hub.db.pool).await? == 0
+            && let Some(first) = pending.first()
+        {
+            store::updates::queue_verification(&hub.db.pool, &first.update_id).await?;
+            hub.verify_now.notify_one();
+        }
+        return Ok(AggregateOutcome::Waiting {
+            pending: pending.len() as i64,
+        });
+    }
 
     let mut verdicts = Verdicts::default();
     let mut candidates: Vec<(usize, Vec<f32>)> = Vec::new();
@@ -229,12 +242,6 @@ async fn run_locked(hub: &Hub) -> Result<AggregateOutcome> {
         if let Some(bound) = policy.norm_bound {
             let norm = l2_norm(&values);
             match norm_reference {
-                None => {
-                    verdicts
-                        .suspects
-                        .push((i, "no norm reference yet: re-verified first".into()));
-                    continue;
-                }
                 Some(reference) if !trust::norm_within(norm, reference, bound) => {
                     verdicts.reject(
                         i,
@@ -247,7 +254,7 @@ async fn run_locked(hub: &Hub) -> Result<AggregateOutcome> {
                     );
                     continue;
                 }
-                Some(_) => {}
+                _ => {}
             }
         }
         candidates.push((i, values));

@@ -264,9 +264,12 @@ pub async fn accept(
         hub.policy.verify_fraction,
     ));
     // Before the hub has recomputed an update of its own, the norm screen has nothing to
-    // judge by: every update waits for a re-verification, which also gives the reference.
-    let no_reference = hub.policy.norm_bound.is_some() && norm_reference.is_none();
-    let gated = (verify && probation) || no_reference;
+    // judge by (and the aggregator waits): one recomputation gives the reference.
+    let needs_reference = hub.policy.norm_bound.is_some()
+        && norm_reference.is_none()
+        && store::updates::queued_count(&hub.db.pool).await? == 0;
+    let gated = verify && probation;
+    let verify = verify || needs_reference;
     let update_id = Uuid::new_v4();
     let sha256 = hex::encode(Sha256::digest(&bytes));
     let mut tx = hub.db.pool.begin().await.map_err(anyhow::Error::from)?;
@@ -295,7 +298,7 @@ pub async fn accept(
             size_bytes: bytes.len() as i64,
             sha256: &sha256,
             norm,
-            verify: verify || gated,
+            verify,
             gated,
         },
     )
@@ -305,8 +308,10 @@ pub async fn accept(
     if let Err(e) = hub.queue.push(UPDATES, &[update_id.to_string()]).await {
         tracing::warn!(error = %e, "could not queue the update; the aggregator finds it in the database");
     }
-    if gated {
+    if verify {
         hub.verify_now.notify_one();
+    }
+    if gated {
     } else if store::updates::eligible_count(&hub.db.pool).await? >= hub.policy.min_gradients as i64
     {
         hub.aggregate_now.notify_one();

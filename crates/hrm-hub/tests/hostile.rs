@@ -177,7 +177,7 @@ async fn colluders_with_a_history_are_caught_by_their_copies_under_krum() {
         12,
     )
     .await;
-    // Honest updates accepted before the hub has a norm reference are recomputed first.
+    // The first update is recomputed: the hub gets its norm reference.
     let mut honest = Vec::new();
     for i in 0..3 {
         let w = SimWorker::join(&t.url, &format!("honest-{i}")).await;

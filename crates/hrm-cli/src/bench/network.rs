@@ -118,13 +118,24 @@ fn mean_and_spread(updates: &[Vec<f32>]) -> (Vec<f32>, Vec<f32>) {
         .map(|i| updates.iter().map(|u| u[i]).sum::<f32>() / n)
         .collect();
     let spread = (0..len)
-        .map(|i| (updates.iter().map(|u| (u[i] - mean[i]).powi(2)).sum::<f32>() / n).sqrt())
+        .map(|i| {
+            (updates
+                .iter()
+                .map(|u| (u[i] - mean[i]).powi(2))
+                .sum::<f32>()
+                / n)
+                .sqrt()
+        })
         .collect();
     (mean, spread)
 }
 
 fn norm(values: &[f32]) -> f64 {
-    values.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>().sqrt()
+    values
+        .iter()
+        .map(|v| f64::from(*v).powi(2))
+        .sum::<f64>()
+        .sqrt()
 }
 
 /// A bloc of identities that attack the hub together; it stops when the hub refuses them all.

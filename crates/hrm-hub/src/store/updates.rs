@@ -238,6 +238,29 @@ pub async fn next_queued<'e>(
     }))
 }
 
+/// Re-verifications waiting to run.
+pub async fn queued_count<'e>(db: impl Executor<'e, Database = Any>) -> Result<i64> {
+    Ok(
+        sqlx::query_scalar("SELECT COUNT(*) FROM gradient_updates WHERE verification = 'queued'")
+            .fetch_one(db)
+            .await?,
+    )
+}
+
+/// Queues a pending update for re-verification (without holding it back).
+pub async fn queue_verification<'e>(
+    db: impl Executor<'e, Database = Any>,
+    update_id: &str,
+) -> Result<()> {
+    sqlx::query(
+        "UPDATE gradient_updates SET verification = 'queued' WHERE update_id = $1 AND verification IS NULL",
+    )
+    .bind(update_id)
+    .execute(db)
+    .await?;
+    Ok(())
+}
+
 /// Records a re-verification's result; false when it was not queued any more.
 pub async fn record_verification<'e>(
     db: impl Executor<'e, Database = Any>,
