@@ -334,9 +334,8 @@ def main():
         wanted = args.attacks.split(",") if args.attacks else list(attacks)
         report["adversarial"] = {}
         for fraction in [float(f) for f in args.fractions.split(",")]:
-            # 20%: 8 honest and 2 hostile identities; 30%: 7 and 3.
-            hostile_ids = round(10 * fraction)
-            honest = 10 - hostile_ids
+            # 20%: 4 honest workers and 1 hostile identity; 30%: 7 and 3.
+            honest, hostile_ids = {0.2: (4, 1), 0.3: (7, 3)}[fraction]
             rounds = ["--min-gradients-for-update", "3", "--aggregation-interval", "20",
                       "--outer-schedule", "cosine", "--lease-seconds", "60",
                       "--register-burst", str(honest + 5)]
