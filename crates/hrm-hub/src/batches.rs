@@ -129,7 +129,8 @@ pub async fn ingest(
 
 /// Leases a batch to `worker`: the one it already holds (a worker holds at most one, enforced
 /// by the database, so a reconnecting worker gets its batch back and no one can hoard), else
-/// the oldest pending one. `None` when nothing is pending.
+/// the oldest pending one. `None` when nothing is pending, or while a worker in probation has
+/// an update waiting for its re-verification.
 pub async fn lease(hub: &Hub, worker: &Worker) -> ApiResult<Option<BatchAssignment>> {
     worker.require_trusted(hub)?;
     let Some(version) = versions::current_version(hub).await? else {
@@ -143,6 +144,15 @@ pub async fn lease(hub: &Hub, worker: &Worker) -> ApiResult<Option<BatchAssignme
     let (requeued, _) =
         store::batches::release_expired(&hub.db.pool, hub.policy.max_attempts, Some(&me)).await?;
     requeue(hub, &requeued).await;
+    // A worker in probation waits for the verdict on the update it is waiting on before it
+    // gets another batch: the hub recomputes one update of each newcomer at a time, and a
+    // newcomer's further work would only go stale behind that recomputation.
+    if worker.agreements < hub.policy.probation_agreements
+        && store::batches::held_by(&hub.db.pool, &me).await?.is_none()
+        && store::updates::awaits_verdict(&hub.db.pool, &me).await?
+    {
+        return Ok(None);
+    }
     let expires_at = now_ms() + hub.policy.lease.as_millis() as i64;
     let mut claimed = None;
     'search: {

@@ -311,8 +311,8 @@ pub async fn accept(
     if verify {
         hub.verify_now.notify_one();
     }
-    if gated {
-    } else if store::updates::eligible_count(&hub.db.pool).await? >= hub.policy.min_gradients as i64
+    if !gated
+        && store::updates::eligible_count(&hub.db.pool).await? >= hub.policy.min_gradients as i64
     {
         hub.aggregate_now.notify_one();
     }

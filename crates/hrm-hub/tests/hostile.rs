@@ -115,6 +115,28 @@ async fn forty_concurrent_lease_requests_hold_one_batch() {
     assert!(!batches.contains(&other.lease().await.unwrap().batch_id));
 }
 
+/// A newcomer's updates wait for the hub's recomputation; were it given more batches meanwhile,
+/// every identity could queue recomputations without limit, and an honest newcomer's further
+/// work would go stale behind them.
+#[tokio::test]
+async fn a_newcomer_gets_its_next_batch_once_its_update_is_verified() {
+    let t = start(defended_policy(&[]), 4).await;
+    let newcomer = SimWorker::join(&t.url, "newcomer").await;
+    let (_, receipt, _) = newcomer.contribute_honestly().await;
+    assert_eq!(status_of(&t, &receipt).await, "pending");
+    for _ in 0..3 {
+        assert!(
+            newcomer.lease().await.is_none(),
+            "a second batch while the first waits"
+        );
+    }
+    // Others are not held up by it.
+    let other = SimWorker::join(&t.url, "other").await;
+    assert!(other.lease().await.is_some());
+    assert!(verify_all(&t.hub).await.iter().all(|v| v.agreed()));
+    assert!(newcomer.lease().await.is_some());
+}
+
 #[tokio::test]
 async fn sybils_cannot_capture_krum_and_cost_honest_workers_nothing() {
     let t = start(defended_policy(&["--rule", "krum", "--byzantine", "1"]), 12).await;

@@ -314,6 +314,21 @@ pub async fn awaits_verification<'e>(
     Ok(matches!(verification, Some(Some(v)) if v == "queued"))
 }
 
+/// Whether `worker_id` has a pending update that waits for its re-verification.
+pub async fn awaits_verdict<'e>(
+    db: impl Executor<'e, Database = Any>,
+    worker_id: &str,
+) -> Result<bool> {
+    let waiting: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM gradient_updates \
+         WHERE worker_id = $1 AND gated = TRUE AND verification = 'queued' AND status = 'pending'",
+    )
+    .bind(worker_id)
+    .fetch_one(db)
+    .await?;
+    Ok(waiting > 0)
+}
+
 /// A held update, for the operator.
 #[derive(Debug, Clone)]
 pub struct HeldUpdate {
