@@ -99,7 +99,27 @@ fn init_logging(default_level: &str) {
         .init();
 }
 
+/// glibc gives threads their own heap arenas (up to eight per core) and keeps what each arena
+/// once held. The model work of every subcommand moves between threads of several pools (the
+/// async runtime's blocking threads, candle's rayon pool, the scheduler), so a long-running hub
+/// came to hold many arenas' worth of freed memory: in the network benchmark its peak RSS fell
+/// from 2.6-3.5 GB to 1.2-1.4 GB with two arenas (docs/performance.md). An operator's own
+/// `MALLOC_ARENA_MAX` wins.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn limit_malloc_arenas() {
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+        // SAFETY: mallopt only sets an allocator parameter; it runs before any other thread.
+        unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, 2);
+        }
+    }
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn limit_malloc_arenas() {}
+
 fn main() -> ExitCode {
+    limit_malloc_arenas();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Serve(args) => serve::run(*args),

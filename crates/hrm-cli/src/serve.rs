@@ -7,7 +7,7 @@ use hrm_serve::{ServeArgs, ServeConfig};
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let config = ServeConfig::resolve(&args)?;
     if args.print_config {
-        print!("{}", config.to_yaml());
+        print!("{}{}", environment_note(), config.to_yaml());
         return Ok(());
     }
     crate::init_logging(&config.log_level);
@@ -36,6 +36,38 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     runtime.block_on(hrm_serve::serve(config))
+}
+
+/// YAML comments naming the `HRM_*` variables set in the environment: those `hrm serve` read,
+/// and those it left alone (another program's, such as `hrm worker`'s `HRM_WORKER_*`). Names
+/// only: values may be secrets.
+fn environment_note() -> String {
+    use clap::CommandFactory;
+    #[derive(clap::Parser)]
+    struct Serve {
+        #[command(flatten)]
+        args: ServeArgs,
+    }
+    let ours: Vec<String> = Serve::command()
+        .get_arguments()
+        .filter_map(|arg| arg.get_env()?.to_str().map(str::to_string))
+        .collect();
+    let mut set: Vec<String> = std::env::vars_os()
+        .filter_map(|(name, _)| name.into_string().ok())
+        .filter(|name| name.starts_with("HRM_"))
+        .collect();
+    set.sort();
+    let (read, ignored): (Vec<String>, Vec<String>) =
+        // HRM_LOG is every program's log filter.
+        set.into_iter().partition(|name| ours.contains(name) || name == "HRM_LOG");
+    let mut note = String::new();
+    if !read.is_empty() {
+        note += &format!("# read from the environment: {}\n", read.join(", "));
+    }
+    if !ignored.is_empty() {
+        note += &format!("# not read by hrm serve: {}\n", ignored.join(", "));
+    }
+    note
 }
 
 #[derive(Args)]

@@ -24,7 +24,7 @@ pub struct WorkerArgs {
     #[command(flatten)]
     overrides: ConfigOverrides,
     /// Name on the leaderboard, sent when this key registers.
-    #[arg(long, env = "HRM_USERNAME")]
+    #[arg(long, env = "HRM_WORKER_USERNAME")]
     username: Option<String>,
     /// No terminal interface: start at once and print log lines (stop with Ctrl-C or SIGTERM).
     #[arg(long)]
@@ -33,10 +33,10 @@ pub struct WorkerArgs {
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
     /// Seconds to wait after a failed step before reconnecting.
-    #[arg(long, env = "HRM_RETRY_DELAY", default_value_t = 30.0)]
+    #[arg(long, env = "HRM_WORKER_RETRY_DELAY", default_value_t = 30.0)]
     retry_delay: f64,
     /// Where checkpoints are cached by content hash [default: ~/.cache/hrm/checkpoints].
-    #[arg(long, env = "HRM_CACHE_DIR")]
+    #[arg(long, env = "HRM_WORKER_CACHE_DIR")]
     cache_dir: Option<PathBuf>,
     #[command(flatten)]
     resources: ResourceArgs,

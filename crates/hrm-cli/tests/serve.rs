@@ -10,7 +10,7 @@ fn hrm(args: &[&str], envs: &[(&str, &str)]) -> std::process::Output {
     for var in [
         "HRM_MAX_BATCH_SIZE",
         "HRM_MODEL_PATH",
-        "HRM_CONFIG",
+        "HRM_SERVE_CONFIG",
         "HRM_DEVICE",
         "HRM_MAX_NEW_TOKENS",
     ] {
@@ -50,7 +50,7 @@ fn flags_then_environment_then_yaml_then_defaults() {
         (Some(4), Some(9001)),
         "YAML over defaults"
     );
-    assert_eq!(c["queue_capacity"], 256, "default");
+    assert_eq!(c["max_queued_tokens"], 1 << 20, "default");
 
     let c = effective(&["--config", file], &[("HRM_MAX_BATCH_SIZE", "7")]);
     assert_eq!(c["max_batch_size"], 7, "environment over YAML");
@@ -62,8 +62,37 @@ fn flags_then_environment_then_yaml_then_defaults() {
     );
     assert_eq!(c["max_batch_size"], 9, "flag over environment");
 
-    let c = effective(&[], &[("HRM_CONFIG", file)]);
-    assert_eq!(c["port"], 9001, "HRM_CONFIG names the file");
+    let c = effective(&[], &[("HRM_SERVE_CONFIG", file)]);
+    assert_eq!(c["port"], 9001, "HRM_SERVE_CONFIG names the file");
+}
+
+/// One shell may set the variables of `hrm worker` and `hrm serve` at once: each program reads
+/// its own, and `--print-config` says which ones it read and which it left alone.
+#[test]
+fn another_programs_variables_change_nothing() {
+    let envs = [
+        ("HRM_WORKER_MAX_BATCH_SIZE", "3"),
+        ("HRM_WORKER_API_KEY", "worker-secret-key-0123456789abcdef"),
+        ("HRM_SERVE_MAX_QUEUED_TOKENS", "5000"),
+    ];
+    let c = effective(&[], &envs);
+    assert_eq!(c["max_batch_size"], 16);
+    assert_eq!(c["max_queued_tokens"], 5000);
+    assert!(c["api_key"].is_null(), "{c}");
+    let out = hrm(&["serve", "--print-config"], &envs);
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        text.contains("# read from the environment: HRM_SERVE_MAX_QUEUED_TOKENS"),
+        "{text}"
+    );
+    assert!(
+        text.contains("# not read by hrm serve: HRM_WORKER_API_KEY, HRM_WORKER_MAX_BATCH_SIZE"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("worker-secret"),
+        "a value was printed: {text}"
+    );
 }
 
 #[test]

@@ -31,18 +31,22 @@ pub struct ApiError {
     pub retry_after: Option<u64>,
 }
 
-/// The body every error is answered with.
-#[derive(Debug, Serialize)]
+/// The body every error is answered with (also its schema in the servers' OpenAPI documents).
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct ErrorBody<'a> {
     pub error: ErrorDetail<'a>,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct ErrorDetail<'a> {
+    /// For people.
     pub message: &'a str,
+    /// Follows from the HTTP status (`invalid_request_error`, `rate_limit_error`, ...).
     #[serde(rename = "type")]
     pub kind: &'a str,
+    /// The request field at fault, when there is one.
     pub param: Option<&'a str>,
+    /// Stable and machine-readable; each server documents its codes.
     pub code: &'a str,
 }
 

@@ -14,6 +14,6 @@ pub mod error;
 pub mod limit;
 pub mod server;
 
-pub use error::{ApiError, ApiResult, JsonBody, PathParam, QueryParams};
+pub use error::{ApiError, ApiResult, ErrorBody, JsonBody, PathParam, QueryParams};
 pub use limit::KeyedLimit;
 pub use server::{ConnectionArgs, ConnectionLimits, serve, shutdown_signal};

@@ -11,14 +11,17 @@ use axum::extract::{ConnectInfo, DefaultBodyLimit, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{Html, IntoResponse, Response};
-use axum::routing::{get, post, put};
+use axum::routing::get;
 use axum::{Json, Router};
-use hrm_http::{ApiError, ApiResult, JsonBody, PathParam, QueryParams};
+use hrm_http::{ApiError, ApiResult, ErrorBody, JsonBody, PathParam, QueryParams};
 use hrm_wire::*;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Instant;
 use tower_http::trace::TraceLayer;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 use uuid::Uuid;
 
 /// Limit of JSON request bodies.
@@ -26,31 +29,95 @@ const MAX_JSON_BYTES: usize = 64 * 1024;
 /// Largest message a status-feed client may send (it only ever needs to answer pings).
 const MAX_WS_MESSAGE_BYTES: usize = 4 * 1024;
 
+/// Every route under `/api/v1` with its OpenAPI description: the document served at
+/// `/openapi.json` comes from the same handlers that answer.
+fn api() -> OpenApiRouter<Arc<Hub>> {
+    // The update body is streamed with its own cap (`updates::put_blob`), checked against the
+    // model before a byte is read.
+    let (schemas, paths, put_blob_route) = routes!(put_blob);
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(healthz))
+        .routes(routes!(challenge))
+        .routes(routes!(register))
+        .routes(routes!(login))
+        .routes(routes!(current_model))
+        .routes(routes!(model_versions))
+        .routes(routes!(download))
+        .routes(routes!(request_batch))
+        .routes(routes!(batch_data))
+        .routes(routes!(upload_url))
+        .routes((
+            schemas,
+            paths,
+            put_blob_route.layer(DefaultBodyLimit::disable()),
+        ))
+        .routes(routes!(upload))
+        .routes(routes!(global_stats))
+        .routes(routes!(worker_stats))
+        .routes(routes!(leaderboard))
+        .routes(routes!(ws_status))
+        .routes(routes!(aggregate))
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "hrm hub",
+        description = "The training network's hub: registration, batches, uploads of updates, versions and statistics. Errors, limits and the threat model: docs/hub-api.md."
+    ),
+    modifiers(&BearerKey)
+)]
+struct ApiDoc;
+
+/// Workers (and the admin) send their key as a bearer token.
+struct BearerKey;
+
+impl utoipa::Modify for BearerKey {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        openapi
+            .components
+            .get_or_insert_with(Default::default)
+            .add_security_scheme(
+                "worker_key",
+                SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+            );
+    }
+}
+
+/// The OpenAPI document of `hrm hub serve`.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    api().into_openapi()
+}
+
+/// What every route may answer besides its own results (docs/hub-api.md lists the codes).
+#[derive(utoipa::IntoResponses)]
+pub enum CommonErrors {
+    /// A value breaks a rule, or the path or query is malformed.
+    #[response(status = 400)]
+    Invalid(ErrorBody<'static>),
+    /// The key is missing or unknown.
+    #[response(status = 401)]
+    Unauthorized(ErrorBody<'static>),
+    /// Not this worker's to ask (`worker_mismatch`), or its reputation is too low.
+    #[response(status = 403)]
+    Forbidden(ErrorBody<'static>),
+    /// The body is not JSON of this route's shape, or the update failed a check.
+    #[response(status = 422)]
+    Unprocessable(ErrorBody<'static>),
+    /// Too many requests from this worker or address; `Retry-After` says when to retry.
+    #[response(status = 429)]
+    RateLimited(ErrorBody<'static>),
+}
+
 pub fn router(hub: Arc<Hub>) -> Router {
-    Router::new()
-        .route("/", get(dashboard))
-        .route("/healthz", get(|| async { "ok" }))
-        .route("/api/v1/auth/challenge", get(challenge))
-        .route("/api/v1/auth/register", post(register))
-        .route("/api/v1/auth/login", post(login))
-        .route("/api/v1/model/current", get(current_model))
-        .route("/api/v1/model/versions", get(model_versions))
-        .route("/api/v1/model/download/{version}", get(download))
-        .route("/api/v1/batch/request", post(request_batch))
-        .route("/api/v1/batch/data/{batch_id}", get(batch_data))
-        .route("/api/v1/gradients/upload-url", post(upload_url))
+    let (api, document) = api().split_for_parts();
+    let document = Json(document);
+    api.route("/", get(dashboard))
         .route(
-            // The body is streamed with its own cap (`updates::put_blob`), checked against the
-            // model before a byte is read.
-            "/api/v1/gradients/blob/{batch_id}",
-            put(put_blob).layer(DefaultBodyLimit::disable()),
+            "/openapi.json",
+            get(move || async move { document.clone() }),
         )
-        .route("/api/v1/gradients/upload", post(upload))
-        .route("/api/v1/stats/global", get(global_stats))
-        .route("/api/v1/worker/stats", get(worker_stats))
-        .route("/api/v1/leaderboard", get(leaderboard))
-        .route("/api/v1/ws/status", get(ws_status))
-        .route("/api/v1/aggregate", post(aggregate))
         .fallback(|| async {
             ApiError::not_found("no_route", "no such route; see docs/hub-api.md")
         })
@@ -110,14 +177,28 @@ async fn limit_per_ip(State(hub): State<Arc<Hub>>, req: Request, next: Next) -> 
     next.run(req).await
 }
 
+/// Liveness.
+#[utoipa::path(get, path = "/healthz", responses((status = 200, description = "`ok`", content_type = "text/plain")))]
+async fn healthz() -> &'static str {
+    "ok"
+}
+
 async fn dashboard() -> Html<&'static str> {
     Html(include_str!("dashboard.html"))
 }
 
+/// A registration challenge to prove work on.
+#[utoipa::path(get, path = "/api/v1/auth/challenge", responses((status = 200, body = Challenge), CommonErrors))]
 async fn challenge(State(hub): State<Arc<Hub>>) -> ApiResult<Json<Challenge>> {
     Ok(Json(hub.challenges().await?.issue()))
 }
 
+/// Registers a key (with the proof of work) as a new worker.
+#[utoipa::path(post, path = "/api/v1/auth/register", request_body = RegisterRequest, responses(
+    (status = 201, body = RegisterResponse),
+    (status = 409, description = "`already_registered`, `username_taken`", body = ErrorBody<'static>),
+    CommonErrors,
+))]
 async fn register(
     State(hub): State<Arc<Hub>>,
     JsonBody(request): JsonBody<RegisterRequest>,
@@ -128,6 +209,8 @@ async fn register(
     ))
 }
 
+/// Confirms the key; what a worker needs to start.
+#[utoipa::path(post, path = "/api/v1/auth/login", responses((status = 200, body = LoginResponse), CommonErrors), security(("worker_key" = [])))]
 async fn login(State(hub): State<Arc<Hub>>, worker: Worker) -> ApiResult<Json<LoginResponse>> {
     Ok(Json(LoginResponse {
         worker_id: worker.id,
@@ -139,6 +222,12 @@ async fn login(State(hub): State<Arc<Hub>>, worker: Worker) -> ApiResult<Json<Lo
     }))
 }
 
+/// The current version.
+#[utoipa::path(get, path = "/api/v1/model/current", responses(
+    (status = 200, body = ModelVersionInfo),
+    (status = 404, description = "`no_model`: no version yet", body = ErrorBody<'static>),
+    CommonErrors,
+))]
 async fn current_model(State(hub): State<Arc<Hub>>) -> ApiResult<Json<ModelVersionInfo>> {
     let row = versions::current_row(&hub).await?.ok_or_else(|| {
         ApiError::not_found("no_model", "this hub has no model yet (`hrm hub init`)")
@@ -146,6 +235,8 @@ async fn current_model(State(hub): State<Arc<Hub>>) -> ApiResult<Json<ModelVersi
     Ok(Json(row.info()))
 }
 
+/// Every version, oldest first.
+#[utoipa::path(get, path = "/api/v1/model/versions", responses((status = 200, body = Vec<ModelVersionInfo>), CommonErrors))]
 async fn model_versions(State(hub): State<Arc<Hub>>) -> ApiResult<Json<Vec<ModelVersionInfo>>> {
     Ok(Json(
         versions::all_versions(&hub)
@@ -156,6 +247,14 @@ async fn model_versions(State(hub): State<Arc<Hub>>) -> ApiResult<Json<Vec<Model
     ))
 }
 
+#[utoipa::path(get, path = "/api/v1/model/download/{version}", params(("version" = String, Path, description = "a version name, `v0.1.3`")), responses(
+    (status = 200, description = "the checkpoint (safetensors)", content_type = "application/octet-stream"),
+    (status = 206, description = "the `Range` asked for", content_type = "application/octet-stream"),
+    (status = 304, description = "`If-None-Match` names this checkpoint's `ETag`"),
+    (status = 404, description = "`unknown_version`", body = ErrorBody<'static>),
+    (status = 416, description = "a `Range` outside the file"),
+    CommonErrors,
+), security(("worker_key" = [])))]
 /// A checkpoint, with its SHA-256 as a strong `ETag` so workers can cache it, and a single
 /// `Range: bytes=start-[end]` so that a cut-off download resumes.
 async fn download(
@@ -251,6 +350,13 @@ fn parse_byte_range(value: &str) -> Option<(u64, Option<u64>)> {
     Some((start, end))
 }
 
+/// Leases a batch (the one this worker holds, if any).
+#[utoipa::path(post, path = "/api/v1/batch/request", request_body = BatchRequest, responses(
+    (status = 200, body = BatchAssignment),
+    (status = 204, description = "no batch for now (none pending, or this worker's update waits for its re-verification); `Retry-After`"),
+    (status = 503, description = "`no_model`: no version yet", body = ErrorBody<'static>),
+    CommonErrors,
+), security(("worker_key" = [])))]
 async fn request_batch(
     State(hub): State<Arc<Hub>>,
     worker: Worker,
@@ -267,6 +373,12 @@ async fn request_batch(
     })
 }
 
+/// The leased batch's samples.
+#[utoipa::path(get, path = "/api/v1/batch/data/{batch_id}", params(("batch_id" = Uuid, Path)), responses(
+    (status = 200, description = "gzip JSON lines, one sample per line", content_type = "application/gzip"),
+    (status = 404, description = "`unknown_batch`, `batch_not_leased`", body = ErrorBody<'static>),
+    CommonErrors,
+), security(("worker_key" = [])))]
 async fn batch_data(
     State(hub): State<Arc<Hub>>,
     worker: Worker,
@@ -287,6 +399,12 @@ async fn batch_data(
         .into_response())
 }
 
+/// Where to PUT the update file of a leased batch.
+#[utoipa::path(post, path = "/api/v1/gradients/upload-url", request_body = UploadUrlRequest, responses(
+    (status = 200, body = UploadTarget),
+    (status = 404, description = "`unknown_batch`, `batch_not_leased`", body = ErrorBody<'static>),
+    CommonErrors,
+), security(("worker_key" = [])))]
 async fn upload_url(
     State(hub): State<Arc<Hub>>,
     worker: Worker,
@@ -298,6 +416,13 @@ async fn upload_url(
     ))
 }
 
+/// The update file of a leased batch; size checked from `Content-Length` before it is read.
+#[utoipa::path(put, path = "/api/v1/gradients/blob/{batch_id}", params(("batch_id" = Uuid, Path)), request_body(content = Vec<u8>, content_type = "application/octet-stream"), responses(
+    (status = 204, description = "stored"),
+    (status = 404, description = "`unknown_batch`, `batch_not_leased`", body = ErrorBody<'static>),
+    (status = 413, description = "larger than an update of this model can be", body = ErrorBody<'static>),
+    CommonErrors,
+), security(("worker_key" = [])))]
 async fn put_blob(
     State(hub): State<Arc<Hub>>,
     worker: Worker,
@@ -313,6 +438,13 @@ async fn put_blob(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// Reports the update file: the hub checks it and accepts it.
+#[utoipa::path(post, path = "/api/v1/gradients/upload", request_body = GradientUpload, responses(
+    (status = 200, body = UploadReceipt),
+    (status = 404, description = "`unknown_batch`, `unknown_version`", body = ErrorBody<'static>),
+    (status = 409, description = "`lease_lost`, `batch_done`, `stale_update`", body = ErrorBody<'static>),
+    CommonErrors,
+), security(("worker_key" = [])))]
 async fn upload(
     State(hub): State<Arc<Hub>>,
     worker: Worker,
@@ -321,10 +453,14 @@ async fn upload(
     Ok(Json(updates::accept(&hub, &worker, upload).await?))
 }
 
+/// The network's progress.
+#[utoipa::path(get, path = "/api/v1/stats/global", responses((status = 200, body = GlobalStats), CommonErrors))]
 async fn global_stats(State(hub): State<Arc<Hub>>) -> ApiResult<Json<GlobalStats>> {
     Ok(Json(crate::stats::global(&hub).await?))
 }
 
+/// This worker's contribution.
+#[utoipa::path(get, path = "/api/v1/worker/stats", responses((status = 200, body = WorkerStats), CommonErrors), security(("worker_key" = [])))]
 async fn worker_stats(State(hub): State<Arc<Hub>>, worker: Worker) -> ApiResult<Json<WorkerStats>> {
     Ok(Json(workers::stats(&hub, &worker).await?))
 }
@@ -339,6 +475,8 @@ fn default_leaderboard_limit() -> i64 {
     50
 }
 
+/// Workers by validated batches.
+#[utoipa::path(get, path = "/api/v1/leaderboard", params(("limit" = Option<i64>, Query, description = "1 to 1000, default 50")), responses((status = 200, body = Vec<LeaderboardEntry>), CommonErrors))]
 async fn leaderboard(
     State(hub): State<Arc<Hub>>,
     QueryParams(query): QueryParams<LeaderboardQuery>,
@@ -351,6 +489,12 @@ async fn leaderboard(
     Ok(Json(workers::leaderboard(&hub, query.limit).await?))
 }
 
+/// Runs an aggregation now (the admin key).
+#[utoipa::path(post, path = "/api/v1/aggregate", responses(
+    (status = 200, body = AggregateOutcome),
+    (status = 409, description = "`aggregation_running`", body = ErrorBody<'static>),
+    CommonErrors,
+), security(("worker_key" = [])))]
 async fn aggregate(
     State(hub): State<Arc<Hub>>,
     _admin: Admin,
@@ -364,6 +508,12 @@ async fn aggregate(
     }
 }
 
+/// The status feed (WebSocket): a hello, then every event, and a heartbeat.
+#[utoipa::path(get, path = "/api/v1/ws/status", responses(
+    (status = 101, description = "switching to the WebSocket feed of `StatusEvent`s"),
+    (status = 503, description = "`too_many_connections`; `Retry-After`", body = ErrorBody<'static>),
+    CommonErrors,
+))]
 async fn ws_status(State(hub): State<Arc<Hub>>, upgrade: WebSocketUpgrade) -> ApiResult<Response> {
     let slot = hub.ws_slots.clone().try_acquire_owned().map_err(|_| {
         ApiError::unavailable(

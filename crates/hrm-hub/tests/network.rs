@@ -862,3 +862,70 @@ async fn ingest_spreads_every_window_once_across_batches() {
         "the same batches again"
     );
 }
+
+/// The published OpenAPI document names every route under `/api/v1` with the wire types'
+/// schemas, and every route it names is served.
+#[tokio::test]
+async fn the_openapi_document_describes_the_served_routes() {
+    let t = start(policy(&[]), 1).await;
+    let client = reqwest::Client::new();
+    let doc: serde_json::Value = client
+        .get(format!("{}/openapi.json", t.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut routes: Vec<String> = Vec::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for method in item.as_object().unwrap().keys() {
+            routes.push(format!("{method} {path}"));
+        }
+    }
+    routes.sort();
+    assert_eq!(
+        routes,
+        [
+            "get /api/v1/auth/challenge",
+            "get /api/v1/batch/data/{batch_id}",
+            "get /api/v1/leaderboard",
+            "get /api/v1/model/current",
+            "get /api/v1/model/download/{version}",
+            "get /api/v1/model/versions",
+            "get /api/v1/stats/global",
+            "get /api/v1/worker/stats",
+            "get /api/v1/ws/status",
+            "get /healthz",
+            "post /api/v1/aggregate",
+            "post /api/v1/auth/login",
+            "post /api/v1/auth/register",
+            "post /api/v1/batch/request",
+            "post /api/v1/gradients/upload",
+            "post /api/v1/gradients/upload-url",
+            "put /api/v1/gradients/blob/{batch_id}",
+        ]
+    );
+    let schemas = doc["components"]["schemas"].as_object().unwrap();
+    for name in [
+        "RegisterRequest",
+        "BatchAssignment",
+        "GradientUpload",
+        "ErrorBody",
+    ] {
+        assert!(schemas.contains_key(name), "no schema {name}");
+    }
+    for route in &routes {
+        let (method, path) = route.split_once(' ').unwrap();
+        let url = format!(
+            "{}{}",
+            t.url,
+            path.replace("{batch_id}", &uuid::Uuid::nil().to_string())
+                .replace("{version}", "v0.1.0")
+        );
+        let method = reqwest::Method::from_bytes(method.to_uppercase().as_bytes()).unwrap();
+        let r = client.request(method, url).send().await.unwrap();
+        let body: serde_json::Value = r.json().await.unwrap_or_default();
+        assert_ne!(body["error"]["code"], "no_route", "{route}");
+    }
+}

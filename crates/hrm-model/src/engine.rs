@@ -84,6 +84,11 @@ impl Sequence {
         &self.text
     }
 
+    /// The prompt's token ids (after truncation to the context window).
+    pub fn prompt(&self) -> &[u32] {
+        &self.prompt
+    }
+
     pub fn prompt_tokens(&self) -> usize {
         self.prompt.len()
     }
@@ -220,7 +225,9 @@ impl Engine {
         let seed = params
             .seed
             .unwrap_or_else(|| RandomState::new().hash_one(std::time::Instant::now()));
-        let sampling = if params.temperature <= 0.0 {
+        // Top-p runs in f32: a p that rounds to 0 there would keep no token at all, and top-p
+        // tending to 0 keeps the likeliest one, which is greedy decoding.
+        let sampling = if params.temperature <= 0.0 || (params.top_p as f32) <= 0.0 {
             Sampling::ArgMax
         } else if params.top_p < 1.0 {
             Sampling::TopP {
@@ -277,10 +284,13 @@ impl Engine {
                 tokens.push(seq.prompt.clone());
                 blocks.push(if prefix_lm { seq.prompt.len() } else { 0 });
             } else {
-                let last = *seq
-                    .generated
-                    .last()
-                    .expect("a running sequence has generated a token");
+                // A step that failed after the forward pass leaves a filled cache and no new
+                // token: the sequence cannot go on, and fails alone.
+                let last = *seq.generated.last().ok_or_else(|| {
+                    Error::InvalidInput(
+                        "the sequence lost its state in an earlier failed step".into(),
+                    )
+                })?;
                 tokens.push(vec![last]);
                 blocks.push(0);
             }

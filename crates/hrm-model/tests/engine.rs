@@ -261,3 +261,22 @@ fn loglikelihood_is_batch_independent_and_splits_like_lm_eval() {
     let (ctx, _) = engine.split_pair("", "Call").unwrap();
     assert_eq!(ctx, engine.tokenizer().eos_ids()[..1].to_vec());
 }
+
+/// A top-p that rounds to zero in f32 (found by the fuzzer: `top_p: 5e-324` crashed the
+/// scheduler) keeps the likeliest token: it decodes greedily.
+#[test]
+fn a_vanishing_top_p_decodes_greedily() {
+    let engine = engine("hrm-text");
+    let prompts: Vec<String> = PROMPTS.iter().map(|s| s.to_string()).collect();
+    let tiny = GenerateParams {
+        max_tokens: 8,
+        temperature: 1.0,
+        top_p: 5e-324,
+        seed: Some(3),
+        ..GenerateParams::default()
+    };
+    assert_eq!(
+        engine.generate(&prompts, &tiny, 4).unwrap(),
+        engine.generate(&prompts, &greedy(8), 4).unwrap()
+    );
+}

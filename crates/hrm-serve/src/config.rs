@@ -1,8 +1,12 @@
 //! `hrm serve` settings: command-line flags, then environment variables, then the `serve:`
 //! section of a YAML file, then defaults (highest first).
 //!
-//! The YAML file is `--config PATH` (or `HRM_CONFIG`); without either, `./hrm.yaml` is read when
-//! it exists. `--print-config` prints the effective settings with secrets redacted.
+//! The YAML file is `--config PATH` (or `HRM_SERVE_CONFIG`); without either, `./hrm.yaml` is read
+//! when it exists. `--print-config` prints the effective settings with secrets redacted.
+//! Environment variables are the specification's (`HRM_MODEL_PATH`, `HRM_TOKENIZER_PATH`,
+//! `HRM_DEVICE`, `HRM_MAX_BATCH_SIZE`, `HRM_MAX_NEW_TOKENS`, `HRM_CORS_ORIGINS`) and, for the
+//! rest, `HRM_SERVE_*`: no variable of `hrm worker` (`HRM_WORKER_*`) or `hrm hub`
+//! (`HRM_HUB_*`) means anything here.
 
 use std::path::{Path, PathBuf};
 
@@ -10,12 +14,14 @@ use clap::Args;
 use hrm_model::DeviceRequest;
 use serde::{Deserialize, Serialize};
 
+use crate::validation::Limits;
+
 /// The flags of `hrm serve`. Every value is optional here so that precedence can be resolved
 /// against the YAML file; `clap` itself fills in the environment variables.
 #[derive(Args, Debug, Default, Clone)]
 pub struct ServeArgs {
     /// YAML file whose `serve:` section supplies defaults (default: ./hrm.yaml if present).
-    #[arg(long, env = "HRM_CONFIG")]
+    #[arg(long, env = "HRM_SERVE_CONFIG")]
     pub config: Option<PathBuf>,
     /// Address to bind (default 0.0.0.0).
     #[arg(long)]
@@ -41,12 +47,25 @@ pub struct ServeArgs {
     /// Context window in tokens (default: the model's max_position_embeddings).
     #[arg(long)]
     pub context_window: Option<usize>,
-    /// Requests that may wait for the scheduler (default 256).
-    #[arg(long, env = "HRM_QUEUE_CAPACITY")]
-    pub queue_capacity: Option<usize>,
-    /// Answer 429 when the queue is full instead of waiting.
+    /// Tokens of admitted, unfinished work (prompts plus the most they may generate, or the
+    /// tokens scored) (default 1048576).
+    #[arg(long, env = "HRM_SERVE_MAX_QUEUED_TOKENS")]
+    pub max_queued_tokens: Option<usize>,
+    /// Beyond --max-queued-tokens, answer 429 with Retry-After (default true); false makes
+    /// requests wait instead.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub backpressure: Option<bool>,
+    /// Tokens one request may need: its prompts plus the most it may generate, or the tokens it
+    /// scores (default 262144).
+    #[arg(long, env = "HRM_SERVE_MAX_REQUEST_TOKENS")]
+    pub max_request_tokens: Option<usize>,
+    /// Log-probability entries one request may return (default 262144).
+    #[arg(long, env = "HRM_SERVE_MAX_LOGPROB_ENTRIES")]
+    pub max_logprob_entries: Option<usize>,
+    /// Tokens scored between two decode steps, so that scoring never stops generation
+    /// (default 2048).
+    #[arg(long, env = "HRM_SERVE_SCORE_CHUNK_TOKENS")]
+    pub score_chunk_tokens: Option<usize>,
     /// Largest accepted request body in bytes (default 4 MiB).
     #[arg(long)]
     pub max_body_bytes: Option<usize>,
@@ -54,10 +73,10 @@ pub struct ServeArgs {
     #[arg(long)]
     pub log_level: Option<String>,
     /// Require `Authorization: Bearer KEY` on every route but the health checks.
-    #[arg(long, env = "HRM_API_KEY", hide_env_values = true)]
+    #[arg(long, env = "HRM_SERVE_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// Read the bearer key from this file (first line) instead.
-    #[arg(long, env = "HRM_API_KEY_FILE")]
+    #[arg(long, env = "HRM_SERVE_API_KEY_FILE")]
     pub api_key_file: Option<PathBuf>,
     /// Also require the key on /metrics (open by default, for scrapers).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
@@ -77,6 +96,8 @@ pub struct ServeArgs {
     /// Load the model and tokenizer, report, and exit without listening.
     #[arg(long)]
     pub dry_run: bool,
+    #[command(flatten)]
+    pub connections: hrm_http::ConnectionArgs,
 }
 
 /// The `serve:` section of the YAML file.
@@ -91,14 +112,22 @@ pub struct ServeFileSection {
     pub max_batch_size: Option<usize>,
     pub max_new_tokens: Option<usize>,
     pub context_window: Option<usize>,
-    pub queue_capacity: Option<usize>,
+    pub max_queued_tokens: Option<usize>,
     pub backpressure: Option<bool>,
+    pub max_request_tokens: Option<usize>,
+    pub max_logprob_entries: Option<usize>,
+    pub score_chunk_tokens: Option<usize>,
     pub max_body_bytes: Option<usize>,
     pub log_level: Option<String>,
     pub api_key_file: Option<PathBuf>,
     pub metrics_auth: Option<bool>,
     pub enable_cors: Option<bool>,
     pub cors_origins: Option<Vec<String>>,
+    pub header_timeout: Option<u64>,
+    pub body_timeout: Option<u64>,
+    pub body_deadline: Option<u64>,
+    pub max_connections: Option<usize>,
+    pub shutdown_timeout: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -118,8 +147,11 @@ pub struct ServeConfig {
     pub max_batch_size: usize,
     pub max_new_tokens: usize,
     pub context_window: Option<usize>,
-    pub queue_capacity: usize,
+    pub max_queued_tokens: usize,
     pub backpressure: bool,
+    pub max_request_tokens: usize,
+    pub max_logprob_entries: usize,
+    pub score_chunk_tokens: usize,
     pub max_body_bytes: usize,
     pub log_level: String,
     /// The bearer key; never printed or logged.
@@ -129,6 +161,7 @@ pub struct ServeConfig {
     pub enable_cors: bool,
     pub cors_origins: Vec<String>,
     pub ui: bool,
+    pub connections: hrm_http::ConnectionLimits,
     /// Where the YAML defaults came from, if anywhere.
     pub config_file: Option<PathBuf>,
 }
@@ -162,8 +195,23 @@ impl ServeConfig {
             max_batch_size: args.max_batch_size.or(file.max_batch_size).unwrap_or(16),
             max_new_tokens: args.max_new_tokens.or(file.max_new_tokens).unwrap_or(1024),
             context_window: args.context_window.or(file.context_window),
-            queue_capacity: args.queue_capacity.or(file.queue_capacity).unwrap_or(256),
-            backpressure: args.backpressure.or(file.backpressure).unwrap_or(false),
+            max_queued_tokens: args
+                .max_queued_tokens
+                .or(file.max_queued_tokens)
+                .unwrap_or(1 << 20),
+            backpressure: args.backpressure.or(file.backpressure).unwrap_or(true),
+            max_request_tokens: args
+                .max_request_tokens
+                .or(file.max_request_tokens)
+                .unwrap_or(Limits::default().max_request_tokens),
+            max_logprob_entries: args
+                .max_logprob_entries
+                .or(file.max_logprob_entries)
+                .unwrap_or(Limits::default().max_logprob_entries),
+            score_chunk_tokens: args
+                .score_chunk_tokens
+                .or(file.score_chunk_tokens)
+                .unwrap_or(2048),
             max_body_bytes: args
                 .max_body_bytes
                 .or(file.max_body_bytes)
@@ -181,6 +229,16 @@ impl ServeConfig {
                 .or(file.cors_origins)
                 .unwrap_or_default(),
             ui: args.ui,
+            connections: args
+                .connections
+                .over(&hrm_http::ConnectionArgs {
+                    header_timeout: file.header_timeout,
+                    body_timeout: file.body_timeout,
+                    body_deadline: file.body_deadline,
+                    max_connections: file.max_connections,
+                    shutdown_timeout: file.shutdown_timeout,
+                })
+                .limits()?,
             config_file,
         };
         config.check()?;
@@ -197,8 +255,11 @@ impl ServeConfig {
             "max_new_tokens must be at least 1"
         );
         anyhow::ensure!(
-            self.queue_capacity >= 1,
-            "queue_capacity must be at least 1"
+            self.max_queued_tokens >= 1
+                && self.max_request_tokens >= 1
+                && self.max_logprob_entries >= 1
+                && self.score_chunk_tokens >= 1,
+            "max_queued_tokens, max_request_tokens, max_logprob_entries and score_chunk_tokens must be at least 1"
         );
         anyhow::ensure!(
             self.max_body_bytes >= 1024,
@@ -208,6 +269,16 @@ impl ServeConfig {
             anyhow::ensure!(window >= 2, "context_window must be at least 2");
         }
         Ok(())
+    }
+
+    /// The request limits the validation rules enforce.
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_new_tokens: self.max_new_tokens,
+            max_request_tokens: self.max_request_tokens,
+            max_logprob_entries: self.max_logprob_entries,
+            ..Limits::default()
+        }
     }
 
     /// The settings as YAML, in the file's own `serve:` shape.
@@ -276,7 +347,7 @@ mod tests {
             ("0.0.0.0", 8000, 16, 1024)
         );
         assert_eq!(c.model_path, PathBuf::from("models/sample"));
-        assert!(!c.backpressure);
+        assert!(c.backpressure, "backpressure is on by default");
     }
 
     #[test]

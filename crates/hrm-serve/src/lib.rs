@@ -1,14 +1,16 @@
 //! `hrm serve`: the HTTP inference service (specification: `shared/spec/inference-service.md`).
 //!
 //! This crate owns the v1 contract (`/generate`, `/loglikelihood`, `/healthz`, `/readyz`,
-//! `/metrics`), request validation ([`validation`]), the error shape ([`error`]), settings
-//! ([`config`]) and the continuous-batching [`scheduler`] that drives `hrm_model::Engine`.
+//! `/metrics`), request validation ([`validation`]: one path for every route), settings
+//! ([`config`]) and the continuous-batching [`scheduler`] that drives `hrm_model::Engine`. The
+//! error body, the connection hygiene and the drain on SIGTERM come from `hrm-http`, shared with
+//! `hrm hub`.
 //!
 //! The listener comes up first and `/readyz` answers 503 `{"status":"loading"}` while the model
-//! loads in the background; a failed load ends the process with an error.
+//! loads in the background; a failed load ends the process with an error. `/readyz` also
+//! answers 503 while the scheduler restarts after a fault.
 
 pub mod config;
-pub mod error;
 pub mod openai;
 pub mod routes;
 pub mod scheduler;
@@ -23,7 +25,7 @@ use hrm_model::Engine;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
 pub use config::{ServeArgs, ServeConfig};
-use scheduler::{Scheduler, SchedulerConfig};
+use scheduler::{Faults, Scheduler, SchedulerConfig};
 use validation::Limits;
 
 /// What every handler can reach. The model parts are set once loading finishes.
@@ -51,7 +53,7 @@ impl AppState {
     pub fn new(config: &ServeConfig) -> Self {
         Self {
             ready: Arc::new(OnceLock::new()),
-            limits: limits(config),
+            limits: config.limits(),
             metrics: metrics_handle(),
             key_digest: config.api_key.as_deref().map(digest),
             metrics_auth: config.metrics_auth,
@@ -65,7 +67,7 @@ impl AppState {
             return true;
         };
         // The page itself holds no data; the calls it makes carry the key.
-        let open = matches!(path, "/healthz" | "/readyz" | "/" | "/ui")
+        let open = matches!(path, "/healthz" | "/readyz" | "/openapi.json" | "/" | "/ui")
             || (path == "/metrics" && !self.metrics_auth);
         if open {
             return true;
@@ -133,15 +135,23 @@ pub fn load_engine(config: &ServeConfig) -> anyhow::Result<(Engine, String)> {
 }
 
 /// Marks `state` ready with `engine`, starting its scheduler.
-pub fn attach_engine(state: &AppState, engine: Engine, device: String, config: &ServeConfig) {
+pub fn attach_engine(
+    state: &AppState,
+    engine: Engine,
+    device: String,
+    config: &ServeConfig,
+    faults: Faults,
+) {
     let engine = Arc::new(engine);
     let scheduler = Scheduler::start(
         engine.clone(),
         SchedulerConfig {
             max_batch_size: config.max_batch_size,
-            queue_capacity: config.queue_capacity,
+            max_queued_tokens: config.max_queued_tokens,
             backpressure: config.backpressure,
+            score_chunk_tokens: config.score_chunk_tokens,
         },
+        faults,
     );
     state.set_ready(Ready {
         engine,
@@ -150,20 +160,13 @@ pub fn attach_engine(state: &AppState, engine: Engine, device: String, config: &
     });
 }
 
-fn limits(config: &ServeConfig) -> Limits {
-    Limits {
-        max_new_tokens: config.max_new_tokens,
-        ..Limits::default()
-    }
-}
-
 /// Runs the service until SIGINT or SIGTERM, then drains in-flight requests and returns.
 pub async fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let addr = format!("{}:{}", config.host, config.port);
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .with_context(|| format!("binding {addr}"))?;
-    run(config, listener, shutdown_signal()).await
+    run(config, listener, hrm_http::shutdown_signal()).await
 }
 
 /// Serves on `listener` until `shutdown` completes, then stops accepting, lets every in-flight
@@ -174,7 +177,25 @@ pub async fn run(
     listener: tokio::net::TcpListener,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    run_with_faults(config, listener, shutdown, Faults::default()).await
+}
+
+/// [`run`], with faults injected into the scheduler (tests only).
+pub async fn run_with_faults(
+    config: ServeConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    faults: Faults,
+) -> anyhow::Result<()> {
     let state = AppState::new(&config);
+    let limits = config.connections;
+    let local = listener.local_addr()?;
+    if config.api_key.is_none() && !local.ip().is_loopback() {
+        tracing::warn!(
+            addr = %local,
+            "LISTENING ON A NON-LOOPBACK ADDRESS WITH NO API KEY: anyone who can reach this port can use the model. Set --api-key-file (or HRM_SERVE_API_KEY), or --host 127.0.0.1"
+        );
+    }
     let app: Router = routes::router(state.clone(), &config);
     tracing::info!(addr = %listener.local_addr()?, model = %config.model_path.display(), "listening; loading the model");
 
@@ -195,7 +216,7 @@ pub async fn run(
                     seconds = started.elapsed().as_secs_f64(),
                     "model loaded; ready"
                 );
-                attach_engine(&load_state, engine, device, &config);
+                attach_engine(&load_state, engine, device, &config, faults);
             }
             Ok(Err(e)) => {
                 let _ = failed_tx.send(e);
@@ -206,7 +227,7 @@ pub async fn run(
         }
     });
 
-    let server = axum::serve(listener, app).with_graceful_shutdown(async {
+    let server = hrm_http::serve(listener, app, &limits, async {
         shutdown.await;
         tracing::info!("shutdown requested; draining in-flight requests");
     });
@@ -216,25 +237,4 @@ pub async fn run(
     }
     tracing::info!("drained; bye");
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {},
-        _ = terminate => {},
-    }
 }

@@ -7,157 +7,44 @@
 
 use axum::Json;
 use axum::extract::State;
-use axum::extract::rejection::JsonRejection;
+use hrm_http::{ApiError, JsonBody};
 use hrm_model::engine::ScoreRow;
-use hrm_model::{Engine, FinishReason, GenerateParams, TokenLogprob};
+use hrm_model::{Engine, FinishReason, TokenLogprob};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::error::ApiError;
-use crate::routes::{Usage, generate_all};
-use crate::{AppState, Ready, validation};
+use crate::routes::{ModelRouteErrors, Usage, budgeted_ids, generate_all, ready};
+use crate::validation::CompletionRequest;
+use crate::{AppState, Ready};
 
-/// The most alternatives `logprobs` may ask for.
-const MAX_LOGPROBS: usize = 20;
-
-/// `prompt` of a completion request: text, texts, token ids, or lists of token ids.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum PromptInput {
-    Text(String),
-    Texts(Vec<String>),
-    Ids(Vec<u32>),
-    IdLists(Vec<Vec<u32>>),
-}
-
-/// `stop` may be one string or a list.
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub enum StopInput {
-    One(String),
-    Many(Vec<String>),
-}
-
-#[derive(Debug, Deserialize)]
-pub struct CompletionRequest {
-    #[serde(default)]
-    pub model: Option<String>,
-    pub prompt: PromptInput,
-    #[serde(default)]
-    pub max_tokens: Option<i64>,
-    #[serde(default)]
-    pub temperature: Option<f64>,
-    #[serde(default)]
-    pub top_p: Option<f64>,
-    #[serde(default)]
-    pub seed: Option<u64>,
-    #[serde(default)]
-    pub stop: Option<StopInput>,
-    #[serde(default)]
-    pub logprobs: Option<i64>,
-    #[serde(default)]
-    pub echo: bool,
-}
-
-fn ready(state: &AppState) -> Result<&Ready, ApiError> {
-    state.ready().ok_or_else(ApiError::not_ready)
-}
-
-/// Token ids of every prompt, each checked against the vocabulary.
-fn prompt_ids(
-    engine: &Engine,
-    prompt: PromptInput,
-    limits: &validation::Limits,
-) -> Result<Vec<Vec<u32>>, ApiError> {
-    let encode = |text: &str| {
-        engine
-            .encode_prompt(text)
-            .map_err(|e| ApiError::internal(format!("tokenising the prompt: {e}")))
-    };
-    let ids = match prompt {
-        PromptInput::Text(text) => vec![encode(&text)?],
-        PromptInput::Texts(texts) => texts.iter().map(|t| encode(t)).collect::<Result<_, _>>()?,
-        PromptInput::Ids(ids) => vec![ids],
-        PromptInput::IdLists(lists) => lists,
-    };
-    if ids.is_empty() {
-        return Err(ApiError::invalid(
-            "prompt",
-            "prompt must contain at least one prompt",
-        ));
-    }
-    if ids.len() > limits.max_prompts {
-        return Err(ApiError::invalid(
-            "prompt",
-            format!(
-                "prompt has {} entries; at most {} are allowed",
-                ids.len(),
-                limits.max_prompts
-            ),
-        ));
-    }
-    let vocab = engine.info().vocab_size;
-    for (i, row) in ids.iter().enumerate() {
-        if let Some(bad) = row.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ApiError::invalid(
-                "prompt",
-                format!("prompt[{i}] has token id {bad}, outside the vocabulary of {vocab}"),
-            ));
-        }
-    }
-    Ok(ids)
-}
-
+/// OpenAI's completions: several prompts (text or token ids), `echo` and `logprobs`.
+#[utoipa::path(post, path = "/v1/completions", request_body = CompletionRequest, responses(
+    (status = 200, description = "OpenAI's `text_completion` object", content_type = "application/json"),
+    (status = 404, description = "`model` names another model (`model_not_found`)", body = hrm_http::ErrorBody<'static>),
+    ModelRouteErrors,
+), security((), ("bearer" = [])))]
 pub async fn completions(
     State(state): State<AppState>,
-    body: Result<Json<CompletionRequest>, JsonRejection>,
+    JsonBody(request): JsonBody<CompletionRequest>,
 ) -> Result<Json<Value>, ApiError> {
-    let Json(request) = body?;
-    let limits = &state.limits;
-    // OpenAI's defaults for this route: 16 tokens, temperature 1.
-    let params = GenerateParams {
-        max_tokens: validation::max_tokens(Some(request.max_tokens.unwrap_or(16)), limits)?,
-        temperature: validation::temperature(Some(request.temperature.unwrap_or(1.0)))?,
-        top_p: validation::top_p(request.top_p)?,
-        seed: request.seed,
-        stop: validation::stop(
-            request.stop.map(|s| match s {
-                StopInput::One(s) => vec![s],
-                StopInput::Many(v) => v,
-            }),
-            limits,
-        )?,
-    };
-    let logprobs = match request.logprobs {
-        None => None,
-        Some(n) if (0..=MAX_LOGPROBS as i64).contains(&n) => Some(n as usize),
-        Some(n) => {
-            return Err(ApiError::invalid(
-                "logprobs",
-                format!("logprobs must be between 0 and {MAX_LOGPROBS}, got {n}"),
-            ));
-        }
-    };
+    let model = request.model.clone();
+    let mut request = request.validate(&state.limits)?;
     let ready = ready(&state)?;
     let engine = &ready.engine;
-    if let Some(model) = &request.model
+    if let Some(model) = &model
         && model != engine.name()
     {
-        return Err(ApiError::not_found(format!(
-            "model {model:?} is not served here; this server serves {:?} (GET /v1/models)",
-            engine.name()
-        )));
+        return Err(ApiError::not_found(
+            "model_not_found",
+            format!(
+                "model {model:?} is not served here; this server serves {:?} (GET /v1/models)",
+                engine.name()
+            ),
+        )
+        .with_param("model"));
     }
-    let prompts = prompt_ids(engine, request.prompt, limits)?;
-    if let Some(i) = prompts.iter().position(Vec::is_empty)
-        && request.echo
-    {
-        return Err(ApiError::invalid(
-            "prompt",
-            format!("prompt[{i}] is empty; echo needs prompt tokens"),
-        ));
-    }
-
+    let prompts = budgeted_ids(&state, ready, &mut request).await?;
+    let params = request.params;
     let generations = if params.max_tokens == 0 {
         prompts
             .iter()
@@ -173,7 +60,7 @@ pub async fn completions(
         generate_all(ready, prompts.clone(), params).await?
     };
 
-    let scores = match logprobs {
+    let scores = match request.logprobs {
         Some(top_n) => {
             Some(score_choices(ready, &prompts, &generations, request.echo, top_n).await?)
         }
@@ -316,6 +203,11 @@ fn logprobs_object(engine: &Engine, scores: &ChoiceScores, start_offset: usize) 
     })
 }
 
+/// The one model served.
+#[utoipa::path(get, path = "/v1/models", responses(
+    (status = 200, description = "OpenAI's model list", content_type = "application/json"),
+    ModelRouteErrors,
+), security((), ("bearer" = [])))]
 pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let ready = ready(&state)?;
     Ok(Json(json!({
@@ -331,7 +223,7 @@ pub async fn models(State(state): State<AppState>) -> Result<Json<Value>, ApiErr
     })))
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct TokenizeRequest {
     pub prompt: String,
     #[serde(default = "default_true")]
@@ -342,21 +234,30 @@ fn default_true() -> bool {
     true
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct DetokenizeRequest {
     pub tokens: Vec<u32>,
 }
 
+/// Token ids of a text (lm-evaluation-harness's remote tokenizer).
+#[utoipa::path(post, path = "/tokenize", request_body = TokenizeRequest, responses(
+    (status = 200, description = "`tokens`, `count`, `max_model_len`", content_type = "application/json"),
+    ModelRouteErrors,
+), security((), ("bearer" = [])))]
 pub async fn tokenize(
     State(state): State<AppState>,
-    body: Result<Json<TokenizeRequest>, JsonRejection>,
+    JsonBody(request): JsonBody<TokenizeRequest>,
 ) -> Result<Json<Value>, ApiError> {
-    let Json(request) = body?;
-    let engine = &ready(&state)?.engine;
-    let tokens = engine
-        .tokenizer()
-        .encode(&request.prompt, request.add_special_tokens)
-        .map_err(|e| ApiError::internal(format!("tokenising: {e}")))?;
+    let engine = ready(&state)?.engine.clone();
+    let tokenizing = engine.clone();
+    let tokens = tokio::task::spawn_blocking(move || {
+        tokenizing
+            .tokenizer()
+            .encode(&request.prompt, request.add_special_tokens)
+    })
+    .await
+    .map_err(ApiError::internal)?
+    .map_err(|e| ApiError::internal(format!("tokenising: {e}")))?;
     Ok(Json(json!({
         "tokens": tokens,
         "count": tokens.len(),
@@ -364,15 +265,19 @@ pub async fn tokenize(
     })))
 }
 
+/// The text of token ids.
+#[utoipa::path(post, path = "/detokenize", request_body = DetokenizeRequest, responses(
+    (status = 200, description = "`prompt`", content_type = "application/json"),
+    ModelRouteErrors,
+), security((), ("bearer" = [])))]
 pub async fn detokenize(
     State(state): State<AppState>,
-    body: Result<Json<DetokenizeRequest>, JsonRejection>,
+    JsonBody(request): JsonBody<DetokenizeRequest>,
 ) -> Result<Json<Value>, ApiError> {
-    let Json(request) = body?;
     let engine = &ready(&state)?.engine;
     let vocab = engine.info().vocab_size;
     if let Some(bad) = request.tokens.iter().find(|&&t| t as usize >= vocab) {
-        return Err(ApiError::invalid(
+        return Err(ApiError::invalid_param(
             "tokens",
             format!("token id {bad} is outside the vocabulary of {vocab}"),
         ));
@@ -384,6 +289,11 @@ pub async fn detokenize(
     Ok(Json(json!({ "prompt": prompt })))
 }
 
+/// What lm-evaluation-harness needs to know of the tokenizer.
+#[utoipa::path(get, path = "/tokenizer_info", responses(
+    (status = 200, description = "special tokens, vocabulary size, context length", content_type = "application/json"),
+    ModelRouteErrors,
+), security((), ("bearer" = [])))]
 pub async fn tokenizer_info(State(state): State<AppState>) -> Result<Json<Value>, ApiError> {
     let engine = &ready(&state)?.engine;
     let tok = engine.tokenizer();

@@ -2,13 +2,12 @@
 
 use std::time::Instant;
 
-use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, MatchedPath, Request, State};
 use axum::http::{HeaderName, HeaderValue, Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::get;
 use axum::{Json, Router};
 use hrm_model::Generation;
 use hrm_model::engine::ScoreRow;
@@ -19,26 +18,95 @@ use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetReques
 use tower_http::trace::{DefaultOnResponse, TraceLayer};
 use tracing::Level;
 
-use crate::error::ApiError;
 use crate::scheduler::GenEvent;
-use crate::validation::{GenerateRequest, LoglikelihoodRequest};
+use crate::validation::{self, GenerateRequest, LoglikelihoodRequest, Prompts};
 use crate::{AppState, Ready, ServeConfig, openai};
+use hrm_http::{ApiError, ErrorBody, JsonBody};
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 
+/// Every route of the API with its OpenAPI description: the document served at
+/// `/openapi.json` is generated from the same handlers that answer, so the two cannot drift.
+fn api() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(healthz))
+        .routes(routes!(readyz))
+        .routes(routes!(metrics_text))
+        .routes(routes!(generate))
+        .routes(routes!(generate_stream))
+        .routes(routes!(loglikelihood))
+        .routes(routes!(openai::completions))
+        .routes(routes!(openai::models))
+        .routes(routes!(openai::tokenize))
+        .routes(routes!(openai::detokenize))
+        .routes(routes!(openai::tokenizer_info))
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "hrm serve",
+        description = "Inference for HRM-Text checkpoints, their mixture-of-experts variant and Llama-family baselines. Errors, limits and settings: docs/api.md."
+    ),
+    modifiers(&BearerKey)
+)]
+struct ApiDoc;
+
+/// The optional bearer key (`--api-key`): every route but `/healthz`, `/readyz`,
+/// `/openapi.json` and, unless `--metrics-auth`, `/metrics`.
+struct BearerKey;
+
+impl utoipa::Modify for BearerKey {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        openapi
+            .components
+            .get_or_insert_with(Default::default)
+            .add_security_scheme(
+                "bearer",
+                SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+            );
+    }
+}
+
+/// The OpenAPI document of `hrm serve`.
+pub fn openapi() -> utoipa::openapi::OpenApi {
+    api().into_openapi()
+}
+
+/// The errors a model route may answer; `code` says which rule (docs/api.md lists them).
+#[derive(utoipa::IntoResponses)]
+pub enum ModelRouteErrors {
+    /// A field breaks a rule; `param` names it.
+    #[response(status = 400)]
+    Invalid(ErrorBody<'static>),
+    /// The bearer key is missing or wrong (when the server has one).
+    #[response(status = 401)]
+    Unauthorized(ErrorBody<'static>),
+    /// The body, or the work it asks for, is over a limit (`body_too_large`, `too_many_tokens`,
+    /// `too_many_logprobs`).
+    #[response(status = 413)]
+    TooLarge(ErrorBody<'static>),
+    /// The body is not JSON of this route's shape.
+    #[response(status = 422)]
+    Unprocessable(ErrorBody<'static>),
+    /// The server holds as much work as it may (`queue_full`); `Retry-After` says when to retry.
+    #[response(status = 429)]
+    Busy(ErrorBody<'static>),
+    /// The model is loading (`not_ready`) or the inference loop restarts after a fault
+    /// (`scheduler_restarting`); `Retry-After` says when to retry.
+    #[response(status = 503)]
+    Unavailable(ErrorBody<'static>),
+}
+
 pub fn router(state: AppState, config: &ServeConfig) -> Router {
-    let router = Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics_text))
-        .route("/generate", post(generate))
-        .route("/generate_stream", post(generate_stream))
-        .route("/loglikelihood", post(loglikelihood))
-        .route("/v1/completions", post(openai::completions))
-        .route("/v1/models", get(openai::models))
-        .route("/tokenize", post(openai::tokenize))
-        .route("/detokenize", post(openai::detokenize))
-        .route("/tokenizer_info", get(openai::tokenizer_info))
+    let (api, document) = api().split_for_parts();
+    let document = Json(document);
+    let router = api
+        .route("/openapi.json", get(move || async move { document.clone() }))
         .merge(if config.ui { crate::ui::standalone::<AppState>("") } else { Router::new() })
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(config.max_body_bytes))
@@ -101,7 +169,8 @@ async fn require_key(State(state): State<AppState>, req: Request, next: Next) ->
     if state.authorised(req.uri().path(), authorization) {
         next.run(req).await
     } else {
-        ApiError::unauthorized().into_response()
+        ApiError::unauthorized("missing or invalid bearer token in the Authorization header")
+            .into_response()
     }
 }
 
@@ -123,17 +192,31 @@ async fn record_request(req: Request, next: Next) -> Response {
 }
 
 async fn not_found() -> ApiError {
-    ApiError::not_found("no such route; see docs/api.md")
+    ApiError::not_found("not_found", "no such route; see docs/api.md")
 }
 
+/// Liveness: the process answers.
+#[utoipa::path(get, path = "/healthz", responses((status = 200, description = "`{\"status\": \"ok\"}`", content_type = "application/json")))]
 async fn healthz() -> Json<serde_json::Value> {
     Json(json!({ "status": "ok" }))
 }
 
+/// Readiness: the model is loaded and the inference loop runs.
+#[utoipa::path(get, path = "/readyz", responses(
+    (status = 200, description = "`status` ready, the model, and the work held (`queued_tokens`, `queue_depth`)", content_type = "application/json"),
+    (status = 503, description = "`status` loading, or restarting after a fault", content_type = "application/json"),
+))]
 async fn readyz(State(state): State<AppState>) -> Response {
     match state.ready() {
+        Some(ready) if !ready.scheduler.is_running() => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "status": "restarting" })),
+        )
+            .into_response(),
         Some(ready) => Json(json!({
             "status": "ready",
+            "queued_tokens": ready.scheduler.queued_tokens(),
+            "queue_depth": ready.scheduler.queue_depth(),
             "model": ready.engine.name(),
             "family": ready.engine.info().family.as_str(),
             "device": ready.device,
@@ -147,9 +230,15 @@ async fn readyz(State(state): State<AppState>) -> Response {
     }
 }
 
+/// Prometheus metrics.
+#[utoipa::path(get, path = "/metrics", responses(
+    (status = 200, description = "Prometheus text format", content_type = "text/plain"),
+    (status = 401, description = "with `--metrics-auth`, a missing or wrong bearer key", body = ErrorBody<'static>),
+), security((), ("bearer" = [])))]
 async fn metrics_text(State(state): State<AppState>) -> Response {
     if let Some(ready) = state.ready() {
         metrics::gauge!("hrm_queue_depth").set(ready.scheduler.queue_depth() as f64);
+        metrics::gauge!("hrm_queued_tokens").set(ready.scheduler.queued_tokens() as f64);
     }
     (
         [(
@@ -161,12 +250,16 @@ async fn metrics_text(State(state): State<AppState>) -> Response {
         .into_response()
 }
 
-fn ready(state: &AppState) -> Result<&Ready, ApiError> {
-    state.ready().ok_or_else(ApiError::not_ready)
+/// The loaded model, or 503 while it loads.
+pub fn ready(state: &AppState) -> Result<&Ready, ApiError> {
+    state.ready().ok_or_else(|| {
+        ApiError::unavailable("not_ready", "the model is still loading; see /readyz")
+            .with_retry_after(1)
+    })
 }
 
 /// `usage` of a response.
-#[derive(Serialize, Debug, Default, PartialEq)]
+#[derive(Serialize, Debug, Default, PartialEq, utoipa::ToSchema)]
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
@@ -185,19 +278,48 @@ impl Usage {
     }
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, utoipa::ToSchema)]
 struct GenerateResponse {
+    /// One per prompt, in order.
     completions: Vec<String>,
     usage: Usage,
 }
 
-/// Token ids of text prompts.
-pub fn encode_prompts(ready: &Ready, prompts: &[String]) -> Result<Vec<Vec<u32>>, ApiError> {
-    prompts
-        .iter()
-        .map(|p| ready.engine.encode_prompt(p))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| ApiError::internal(format!("tokenising the prompts: {e}")))
+#[derive(Serialize, utoipa::ToSchema)]
+struct LoglikelihoodResponse {
+    /// The log-probability of each continuation given its prompt, in order.
+    ll: Vec<f64>,
+}
+
+/// Token ids of the prompts, tokenised on a blocking thread: a prompt of several megabytes
+/// must not hold an async worker.
+pub async fn prompt_ids(ready: &Ready, prompts: Prompts) -> Result<Vec<Vec<u32>>, ApiError> {
+    let texts = match prompts {
+        Prompts::Ids(ids) => return Ok(ids),
+        Prompts::Texts(texts) => texts,
+    };
+    let engine = ready.engine.clone();
+    tokio::task::spawn_blocking(move || {
+        texts
+            .iter()
+            .map(|p| engine.encode_prompt(p))
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .await
+    .map_err(ApiError::internal)?
+    .map_err(|e| ApiError::internal(format!("tokenising the prompts: {e}")))
+}
+
+/// Validated prompts as token ids within the request's budget.
+pub async fn budgeted_ids(
+    state: &AppState,
+    ready: &Ready,
+    request: &mut validation::Generation,
+) -> Result<Vec<Vec<u32>>, ApiError> {
+    let prompts = std::mem::replace(&mut request.prompts, Prompts::Ids(Vec::new()));
+    let ids = prompt_ids(ready, prompts).await?;
+    request.check_budget(&ids, ready.engine.info().vocab_size, &state.limits)?;
+    Ok(ids)
 }
 
 /// Runs prompts through the scheduler and waits for every completion, in input order.
@@ -218,74 +340,103 @@ pub async fn generate_all(
             }
             Some(GenEvent::Token { .. }) => {}
             Some(GenEvent::Failed(message)) => return Err(ApiError::internal(message)),
-            None => return Err(ApiError::internal("the scheduler stopped before finishing")),
+            None => return Err(scheduler_gone()),
         }
     }
     Ok(results.into_iter().flatten().collect())
 }
 
-async fn generate(
-    State(state): State<AppState>,
-    body: Result<Json<GenerateRequest>, JsonRejection>,
-) -> Result<Json<serde_json::Value>, ApiError> {
-    let Json(request) = body?;
-    let (prompts, params) = request.validate(&state.limits)?;
-    let ready = ready(&state)?;
-    let generations = generate_all(ready, encode_prompts(ready, &prompts)?, params).await?;
-    let usage = Usage::of(&generations);
-    let response = GenerateResponse {
-        completions: generations.into_iter().map(|g| g.text).collect(),
-        usage,
-    };
-    Ok(Json(
-        serde_json::to_value(response).expect("response serialises"),
-    ))
+/// An `error` event in the usual error shape, for a stream that cannot finish.
+fn error_event(e: &ApiError) -> Result<Event, axum::Error> {
+    Event::default().event("error").json_data(
+        json!({"error": {"message": e.message, "type": e.kind(), "param": e.param, "code": e.code}}),
+    )
 }
 
+/// The scheduler dropped the request: it restarted after a fault.
+fn scheduler_gone() -> ApiError {
+    ApiError::unavailable(
+        "scheduler_restarting",
+        "the inference loop restarted after a fault before this request finished; retry",
+    )
+    .with_retry_after(1)
+}
+
+/// Completions of every prompt, decoded together.
+#[utoipa::path(post, path = "/generate", request_body = GenerateRequest, responses(
+    (status = 200, body = GenerateResponse), ModelRouteErrors,
+), security((), ("bearer" = [])))]
+async fn generate(
+    State(state): State<AppState>,
+    JsonBody(request): JsonBody<GenerateRequest>,
+) -> Result<Json<GenerateResponse>, ApiError> {
+    let mut request = request.validate(&state.limits)?;
+    let ready = ready(&state)?;
+    let ids = budgeted_ids(&state, ready, &mut request).await?;
+    let generations = generate_all(ready, ids, request.params).await?;
+    let usage = Usage::of(&generations);
+    Ok(Json(GenerateResponse {
+        completions: generations.into_iter().map(|g| g.text).collect(),
+        usage,
+    }))
+}
+
+/// The log-likelihood of each continuation given its prompt, split as
+/// lm-evaluation-harness splits them.
+#[utoipa::path(post, path = "/loglikelihood", request_body = LoglikelihoodRequest, responses(
+    (status = 200, body = LoglikelihoodResponse), ModelRouteErrors,
+), security((), ("bearer" = [])))]
 async fn loglikelihood(
     State(state): State<AppState>,
-    body: Result<Json<LoglikelihoodRequest>, JsonRejection>,
-) -> Result<Json<serde_json::Value>, ApiError> {
-    let Json(request) = body?;
-    let pairs = request.validate(&state.limits)?;
+    JsonBody(request): JsonBody<LoglikelihoodRequest>,
+) -> Result<Json<LoglikelihoodResponse>, ApiError> {
+    let scoring = request.validate(&state.limits)?;
     let ready = ready(&state)?;
-    let prefix_lm = ready.engine.info().prefix_lm;
-    let rows = pairs
-        .iter()
-        .map(|(context, continuation)| {
-            let (ctx, cont) = ready.engine.split_pair(context, continuation)?;
-            let score_from = ctx.len();
-            Ok(ScoreRow {
-                block: if prefix_lm { score_from } else { 0 },
-                tokens: ctx.into_iter().chain(cont).collect(),
-                score_from,
+    let engine = ready.engine.clone();
+    let rows = tokio::task::spawn_blocking(move || {
+        let prefix_lm = engine.info().prefix_lm;
+        scoring
+            .pairs
+            .iter()
+            .map(|(context, continuation)| {
+                let (ctx, cont) = engine.split_pair(context, continuation)?;
+                let score_from = ctx.len();
+                Ok(ScoreRow {
+                    block: if prefix_lm { score_from } else { 0 },
+                    tokens: ctx.into_iter().chain(cont).collect(),
+                    score_from,
+                })
             })
-        })
-        .collect::<Result<Vec<_>, hrm_model::Error>>()
-        .map_err(|e| ApiError::internal(format!("tokenising: {e}")))?;
+            .collect::<Result<Vec<_>, hrm_model::Error>>()
+    })
+    .await
+    .map_err(ApiError::internal)?
+    .map_err(|e| ApiError::internal(format!("tokenising: {e}")))?;
+    validation::Scoring::check_budget(&rows, &state.limits)?;
     let scored = ready.scheduler.score(rows, 0).await?;
     let ll: Vec<f64> = scored
         .iter()
         .map(|tokens| tokens.iter().map(|t| f64::from(t.logprob)).sum())
         .collect();
-    Ok(Json(json!({ "ll": ll })))
+    Ok(Json(LoglikelihoodResponse { ll }))
 }
 
 /// `POST /generate_stream`: the `/generate` body; server-sent events `token`
 /// (`{"index", "text"}`, one per newly decoded piece of a prompt's output), then one `done`
 /// (`{"completions", "usage"}`), or an `error` in the usual error shape.
+#[utoipa::path(post, path = "/generate_stream", request_body = GenerateRequest, responses(
+    (status = 200, description = "server-sent events: `token` (`{\"index\", \"text\"}`), then `done` (`{\"completions\", \"usage\"}`) or `error`", content_type = "text/event-stream"),
+    ModelRouteErrors,
+), security((), ("bearer" = [])))]
 pub async fn generate_stream(
     State(state): State<AppState>,
-    body: Result<Json<GenerateRequest>, JsonRejection>,
+    JsonBody(request): JsonBody<GenerateRequest>,
 ) -> Result<Sse<impl futures::Stream<Item = Result<Event, std::convert::Infallible>>>, ApiError> {
-    let Json(request) = body?;
-    let (prompts, params) = request.validate(&state.limits)?;
+    let mut request = request.validate(&state.limits)?;
     let ready = ready(&state)?;
-    let count = prompts.len();
-    let events = ready
-        .scheduler
-        .generate(encode_prompts(ready, &prompts)?, params, true)
-        .await?;
+    let ids = budgeted_ids(&state, ready, &mut request).await?;
+    let count = ids.len();
+    let events = ready.scheduler.generate(ids, request.params, true).await?;
     struct Progress {
         events: tokio::sync::mpsc::UnboundedReceiver<GenEvent>,
         results: Vec<Option<Generation>>,
@@ -325,12 +476,12 @@ pub async fn generate_stream(
                 }
                 Some(GenEvent::Failed(message)) => {
                     p.finished = true;
-                    let e = ApiError::internal(message);
-                    Event::default().event("error").json_data(
-                        json!({"error": {"message": e.message, "type": e.kind, "param": null, "code": e.code}}),
-                    )
+                    error_event(&ApiError::internal(message))
                 }
-                None => return None,
+                None => {
+                    p.finished = true;
+                    error_event(&scheduler_gone())
+                }
             };
             let event = event
                 .unwrap_or_else(|_| Event::default().event("error").data("serialisation failed"));

@@ -1,15 +1,22 @@
 //! Every rule a request must meet, in one place, each with its own error naming the field.
+//! Every route's body goes through here and comes out as a validated type: [`Generation`] for
+//! `/generate`, `/generate_stream` and `/v1/completions`, [`Scoring`] for `/loglikelihood`. A
+//! limit added here holds on every route.
 //!
-//! Bodies that are not JSON of the right shape are rejected earlier, by the JSON extractor,
-//! with 422; what reaches these functions has the right types, and the rules here answer 400.
+//! Two stages: the fields ([`GenerateRequest::validate`], [`CompletionRequest::validate`],
+//! [`LoglikelihoodRequest::validate`], answered 400), then, once the prompts are token ids, the
+//! request's budget ([`Generation::check_budget`], [`Scoring::check_budget`], answered 413):
+//! prompt plus generated tokens, and the log-probability entries it would return. Bodies that
+//! are not JSON of the right shape are rejected earlier, by the JSON extractor, with 422.
 
+use hrm_http::ApiError;
 use hrm_model::GenerateParams;
+use hrm_model::engine::ScoreRow;
 use serde::Deserialize;
-
-use crate::error::ApiError;
+use utoipa::ToSchema;
 
 /// Limits the rules enforce; from the server configuration.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, serde::Serialize, PartialEq)]
 pub struct Limits {
     /// `max_tokens` above this is capped to it (the spec's "server maximum").
     pub max_new_tokens: usize,
@@ -17,6 +24,10 @@ pub struct Limits {
     pub max_prompts: usize,
     pub max_stop_strings: usize,
     pub max_stop_len: usize,
+    /// Prompt tokens plus the most tokens a request may generate, or the tokens it scores.
+    pub max_request_tokens: usize,
+    /// Log-probability entries one request may return (positions × (1 + alternatives)).
+    pub max_logprob_entries: usize,
 }
 
 impl Default for Limits {
@@ -26,6 +37,8 @@ impl Default for Limits {
             max_prompts: 256,
             max_stop_strings: 16,
             max_stop_len: 256,
+            max_request_tokens: 262_144,
+            max_logprob_entries: 262_144,
         }
     }
 }
@@ -33,58 +46,172 @@ impl Default for Limits {
 pub const DEFAULT_MAX_TOKENS: i64 = 128;
 pub const DEFAULT_TEMPERATURE: f64 = 0.7;
 pub const DEFAULT_TOP_P: f64 = 1.0;
+/// The most alternatives `logprobs` may ask for.
+pub const MAX_LOGPROBS: usize = 20;
 
 /// Body of `POST /generate` (and `/generate_stream`).
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub struct GenerateRequest {
+    /// At least one, none empty; at most 256.
+    #[schema(min_items = 1, max_items = 256)]
     pub prompts: Vec<String>,
+    /// Default 128, capped at `--max-new-tokens`.
     #[serde(default)]
+    #[schema(minimum = 0)]
     pub max_tokens: Option<i64>,
+    /// 0 to 2; 0 is greedy. Default 0.7.
     #[serde(default)]
+    #[schema(minimum = 0.0, maximum = 2.0)]
     pub temperature: Option<f64>,
+    /// Above 0, at most 1. Default 1.
     #[serde(default)]
+    #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
     pub top_p: Option<f64>,
+    /// Prompt `i` is sampled with seed `seed + i`.
     #[serde(default)]
     pub seed: Option<u64>,
+    /// At most 16, none empty, each at most 256 characters.
     #[serde(default)]
+    #[schema(max_items = 16)]
     pub stop: Option<Vec<String>>,
 }
 
 /// Body of `POST /loglikelihood`.
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 pub struct LoglikelihoodRequest {
+    /// At least one, none empty; at most 256.
+    #[schema(min_items = 1, max_items = 256)]
     pub prompts: Vec<String>,
+    /// As many as `prompts`.
     pub continuations: Vec<String>,
 }
 
+/// `prompt` of a completion request: text, texts, token ids, or lists of token ids.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum PromptInput {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// `stop` may be one string or a list.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum StopInput {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// Body of `POST /v1/completions` (OpenAI's fields that this server implements).
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct CompletionRequest {
+    /// Must name the served model when given (`GET /v1/models`).
+    #[serde(default)]
+    pub model: Option<String>,
+    pub prompt: PromptInput,
+    /// Default 16, capped at `--max-new-tokens`.
+    #[serde(default)]
+    #[schema(minimum = 0)]
+    pub max_tokens: Option<i64>,
+    /// 0 to 2. Default 1.
+    #[serde(default)]
+    #[schema(minimum = 0.0, maximum = 2.0)]
+    pub temperature: Option<f64>,
+    /// Above 0, at most 1. Default 1.
+    #[serde(default)]
+    #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
+    pub top_p: Option<f64>,
+    #[serde(default)]
+    pub seed: Option<u64>,
+    #[serde(default)]
+    pub stop: Option<StopInput>,
+    /// Alternatives per position, 0 to 20.
+    #[serde(default)]
+    #[schema(minimum = 0, maximum = 20)]
+    pub logprobs: Option<i64>,
+    #[serde(default)]
+    pub echo: bool,
+}
+
+/// Prompts as the client sent them.
+#[derive(Debug)]
+pub enum Prompts {
+    Texts(Vec<String>),
+    Ids(Vec<Vec<u32>>),
+}
+
+impl Prompts {
+    pub fn len(&self) -> usize {
+        match self {
+            Prompts::Texts(t) => t.len(),
+            Prompts::Ids(i) => i.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A validated generation request, from any generation route.
+#[derive(Debug)]
+pub struct Generation {
+    pub prompts: Prompts,
+    pub params: GenerateParams,
+    /// Alternatives per position, when log-probabilities are asked for.
+    pub logprobs: Option<usize>,
+    /// The prompt's tokens come back too (with their log-probabilities).
+    pub echo: bool,
+}
+
+/// A validated scoring request.
+#[derive(Debug)]
+pub struct Scoring {
+    pub pairs: Vec<(String, String)>,
+}
+
+fn invalid(field: &str, message: impl Into<String>) -> ApiError {
+    ApiError::invalid_param(field, message)
+}
+
+fn too_large(code: &'static str, param: &str, message: String) -> ApiError {
+    ApiError::new(axum::http::StatusCode::PAYLOAD_TOO_LARGE, code, message).with_param(param)
+}
+
 pub fn prompts(field: &str, prompts: &[String], limits: &Limits) -> Result<(), ApiError> {
-    if prompts.is_empty() {
-        return Err(ApiError::invalid(
-            field,
-            format!("{field} must contain at least one prompt"),
-        ));
-    }
-    if prompts.len() > limits.max_prompts {
-        return Err(ApiError::invalid(
-            field,
-            format!(
-                "{field} has {} entries; at most {} are allowed per request",
-                prompts.len(),
-                limits.max_prompts
-            ),
-        ));
-    }
+    count(field, prompts.len(), limits)?;
     if let Some(i) = prompts.iter().position(String::is_empty) {
-        return Err(ApiError::invalid(field, format!("{field}[{i}] is empty")));
+        return Err(invalid(field, format!("{field}[{i}] is empty")));
     }
     Ok(())
 }
 
-/// `max_tokens`: a non-negative integer, default 128, capped at the server maximum.
-pub fn max_tokens(value: Option<i64>, limits: &Limits) -> Result<usize, ApiError> {
-    let value = value.unwrap_or(DEFAULT_MAX_TOKENS);
+fn count(field: &str, n: usize, limits: &Limits) -> Result<(), ApiError> {
+    if n == 0 {
+        return Err(invalid(
+            field,
+            format!("{field} must contain at least one prompt"),
+        ));
+    }
+    if n > limits.max_prompts {
+        return Err(invalid(
+            field,
+            format!(
+                "{field} has {n} entries; at most {} are allowed per request",
+                limits.max_prompts
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `max_tokens`: a non-negative integer, default `default`, capped at the server maximum.
+pub fn max_tokens(value: Option<i64>, default: i64, limits: &Limits) -> Result<usize, ApiError> {
+    let value = value.unwrap_or(default);
     if value < 0 {
-        return Err(ApiError::invalid(
+        return Err(invalid(
             "max_tokens",
             format!("max_tokens must be 0 or more, got {value}"),
         ));
@@ -93,10 +220,10 @@ pub fn max_tokens(value: Option<i64>, limits: &Limits) -> Result<usize, ApiError
 }
 
 /// `temperature`: 0 to 2 inclusive (0 is greedy).
-pub fn temperature(value: Option<f64>) -> Result<f64, ApiError> {
-    let value = value.unwrap_or(DEFAULT_TEMPERATURE);
+pub fn temperature(value: Option<f64>, default: f64) -> Result<f64, ApiError> {
+    let value = value.unwrap_or(default);
     if !(0.0..=2.0).contains(&value) {
-        return Err(ApiError::invalid(
+        return Err(invalid(
             "temperature",
             format!("temperature must be between 0 and 2 inclusive, got {value}"),
         ));
@@ -108,7 +235,7 @@ pub fn temperature(value: Option<f64>) -> Result<f64, ApiError> {
 pub fn top_p(value: Option<f64>) -> Result<f64, ApiError> {
     let value = value.unwrap_or(DEFAULT_TOP_P);
     if !(value > 0.0 && value <= 1.0) {
-        return Err(ApiError::invalid(
+        return Err(invalid(
             "top_p",
             format!("top_p must be above 0 and at most 1, got {value}"),
         ));
@@ -119,7 +246,7 @@ pub fn top_p(value: Option<f64>) -> Result<f64, ApiError> {
 pub fn stop(value: Option<Vec<String>>, limits: &Limits) -> Result<Vec<String>, ApiError> {
     let stop = value.unwrap_or_default();
     if stop.len() > limits.max_stop_strings {
-        return Err(ApiError::invalid(
+        return Err(invalid(
             "stop",
             format!(
                 "stop has {} strings; at most {} are allowed",
@@ -129,13 +256,13 @@ pub fn stop(value: Option<Vec<String>>, limits: &Limits) -> Result<Vec<String>, 
         ));
     }
     if let Some(i) = stop.iter().position(String::is_empty) {
-        return Err(ApiError::invalid("stop", format!("stop[{i}] is empty")));
+        return Err(invalid("stop", format!("stop[{i}] is empty")));
     }
     if let Some(i) = stop
         .iter()
         .position(|s| s.chars().count() > limits.max_stop_len)
     {
-        return Err(ApiError::invalid(
+        return Err(invalid(
             "stop",
             format!(
                 "stop[{i}] is longer than {} characters",
@@ -146,27 +273,135 @@ pub fn stop(value: Option<Vec<String>>, limits: &Limits) -> Result<Vec<String>, 
     Ok(stop)
 }
 
+/// `logprobs`: 0 to [`MAX_LOGPROBS`] alternatives.
+pub fn logprobs(value: Option<i64>) -> Result<Option<usize>, ApiError> {
+    match value {
+        None => Ok(None),
+        Some(n) if (0..=MAX_LOGPROBS as i64).contains(&n) => Ok(Some(n as usize)),
+        Some(n) => Err(invalid(
+            "logprobs",
+            format!("logprobs must be between 0 and {MAX_LOGPROBS}, got {n}"),
+        )),
+    }
+}
+
 impl GenerateRequest {
-    /// Checks every field and returns the decoding settings.
-    pub fn validate(self, limits: &Limits) -> Result<(Vec<String>, GenerateParams), ApiError> {
+    /// Checks every field.
+    pub fn validate(self, limits: &Limits) -> Result<Generation, ApiError> {
         prompts("prompts", &self.prompts, limits)?;
         let params = GenerateParams {
-            max_tokens: max_tokens(self.max_tokens, limits)?,
-            temperature: temperature(self.temperature)?,
+            max_tokens: max_tokens(self.max_tokens, DEFAULT_MAX_TOKENS, limits)?,
+            temperature: temperature(self.temperature, DEFAULT_TEMPERATURE)?,
             top_p: top_p(self.top_p)?,
             seed: self.seed,
             stop: stop(self.stop, limits)?,
         };
-        Ok((self.prompts, params))
+        Ok(Generation {
+            prompts: Prompts::Texts(self.prompts),
+            params,
+            logprobs: None,
+            echo: false,
+        })
+    }
+}
+
+impl CompletionRequest {
+    /// Checks every field, with OpenAI's defaults for this route (16 tokens, temperature 1).
+    /// The model name is checked by the handler, which knows the model.
+    pub fn validate(self, limits: &Limits) -> Result<Generation, ApiError> {
+        let prompts = match self.prompt {
+            PromptInput::Text(text) => Prompts::Texts(vec![text]),
+            PromptInput::Texts(texts) => Prompts::Texts(texts),
+            PromptInput::Ids(ids) => Prompts::Ids(vec![ids]),
+            PromptInput::IdLists(lists) => Prompts::Ids(lists),
+        };
+        count("prompt", prompts.len(), limits)?;
+        let params = GenerateParams {
+            max_tokens: max_tokens(self.max_tokens, 16, limits)?,
+            temperature: temperature(self.temperature, 1.0)?,
+            top_p: top_p(self.top_p)?,
+            seed: self.seed,
+            stop: stop(
+                self.stop.map(|s| match s {
+                    StopInput::One(s) => vec![s],
+                    StopInput::Many(v) => v,
+                }),
+                limits,
+            )?,
+        };
+        Ok(Generation {
+            prompts,
+            params,
+            logprobs: logprobs(self.logprobs)?,
+            echo: self.echo,
+        })
+    }
+}
+
+impl Generation {
+    /// The request's budget, once its prompts are token ids: every id in the vocabulary,
+    /// prompt plus generated tokens within `--max-request-tokens`, and the log-probability
+    /// entries it would return within `--max-logprob-entries`.
+    pub fn check_budget(
+        &self,
+        ids: &[Vec<u32>],
+        vocab: usize,
+        limits: &Limits,
+    ) -> Result<(), ApiError> {
+        for (i, row) in ids.iter().enumerate() {
+            if let Some(bad) = row.iter().find(|&&t| t as usize >= vocab) {
+                return Err(invalid(
+                    "prompt",
+                    format!("prompt[{i}] has token id {bad}, outside the vocabulary of {vocab}"),
+                ));
+            }
+            // A token is scored given the ones before it: the first needs a prompt token.
+            if (self.echo || self.logprobs.is_some()) && row.is_empty() {
+                return Err(invalid(
+                    "prompt",
+                    format!("prompt[{i}] is empty; echo and logprobs need prompt tokens"),
+                ));
+            }
+        }
+        let prompt_tokens: usize = ids.iter().map(Vec::len).sum();
+        let tokens = prompt_tokens + ids.len() * self.params.max_tokens;
+        if tokens > limits.max_request_tokens {
+            return Err(too_large(
+                "too_many_tokens",
+                "prompt",
+                format!(
+                    "the request needs {prompt_tokens} prompt tokens plus up to {} generated, {tokens} in all; this server's limit per request is {} (--max-request-tokens)",
+                    ids.len() * self.params.max_tokens,
+                    limits.max_request_tokens
+                ),
+            ));
+        }
+        if let Some(top_n) = self.logprobs {
+            let positions =
+                ids.len() * self.params.max_tokens + if self.echo { prompt_tokens } else { 0 };
+            let entries = positions * (1 + top_n);
+            if entries > limits.max_logprob_entries {
+                return Err(too_large(
+                    "too_many_logprobs",
+                    "logprobs",
+                    format!(
+                        "the request would return {entries} log-probabilities ({positions} positions × {} each); this server's limit per request is {} (--max-logprob-entries)",
+                        1 + top_n,
+                        limits.max_logprob_entries
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
 impl LoglikelihoodRequest {
-    /// Checks the pairs and returns them.
-    pub fn validate(self, limits: &Limits) -> Result<Vec<(String, String)>, ApiError> {
+    /// Checks the pairs.
+    pub fn validate(self, limits: &Limits) -> Result<Scoring, ApiError> {
         prompts("prompts", &self.prompts, limits)?;
         if self.continuations.len() != self.prompts.len() {
-            return Err(ApiError::invalid(
+            return Err(invalid(
                 "continuations",
                 format!(
                     "continuations has {} entries but prompts has {}; they must be the same length",
@@ -176,12 +411,32 @@ impl LoglikelihoodRequest {
             ));
         }
         if let Some(i) = self.continuations.iter().position(String::is_empty) {
-            return Err(ApiError::invalid(
+            return Err(invalid(
                 "continuations",
                 format!("continuations[{i}] is empty"),
             ));
         }
-        Ok(self.prompts.into_iter().zip(self.continuations).collect())
+        Ok(Scoring {
+            pairs: self.prompts.into_iter().zip(self.continuations).collect(),
+        })
+    }
+}
+
+impl Scoring {
+    /// The tokens it scores, within `--max-request-tokens`.
+    pub fn check_budget(rows: &[ScoreRow], limits: &Limits) -> Result<(), ApiError> {
+        let tokens: usize = rows.iter().map(|r| r.tokens.len()).sum();
+        if tokens > limits.max_request_tokens {
+            return Err(too_large(
+                "too_many_tokens",
+                "prompts",
+                format!(
+                    "the request scores {tokens} tokens; this server's limit per request is {} (--max-request-tokens)",
+                    limits.max_request_tokens
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -197,13 +452,23 @@ mod tests {
         request(json).validate(&Limits::default()).unwrap_err()
     }
 
+    fn completion(json: &str) -> Result<Generation, ApiError> {
+        serde_json::from_str::<CompletionRequest>(json)
+            .unwrap()
+            .validate(&Limits::default())
+    }
+
     #[test]
     fn defaults_follow_the_spec() {
-        let (_, p) = request(r#"{"prompts":["hi"]}"#)
+        let g = request(r#"{"prompts":["hi"]}"#)
             .validate(&Limits::default())
             .unwrap();
+        let p = g.params;
         assert_eq!((p.max_tokens, p.temperature, p.top_p), (128, 0.7, 1.0));
         assert!(p.seed.is_none() && p.stop.is_empty());
+        // /v1/completions keeps OpenAI's.
+        let p = completion(r#"{"prompt":"hi"}"#).unwrap().params;
+        assert_eq!((p.max_tokens, p.temperature), (16, 1.0));
     }
 
     #[test]
@@ -212,10 +477,10 @@ mod tests {
             max_new_tokens: 256,
             ..Limits::default()
         };
-        let (_, p) = request(r#"{"prompts":["hi"],"max_tokens":5000}"#)
+        let g = request(r#"{"prompts":["hi"],"max_tokens":5000}"#)
             .validate(&limits)
             .unwrap();
-        assert_eq!(p.max_tokens, 256);
+        assert_eq!(g.params.max_tokens, 256);
     }
 
     #[test]
@@ -251,6 +516,16 @@ mod tests {
             assert_eq!(e.param.as_deref(), Some(field), "{json}");
             assert!(e.message.contains(words), "{json}: {}", e.message);
         }
+        // The completions route meets the same rules.
+        for (json, field) in [
+            (r#"{"prompt":[]}"#, "prompt"),
+            (r#"{"prompt":"a","temperature":3}"#, "temperature"),
+            (r#"{"prompt":"a","stop":[""]}"#, "stop"),
+            (r#"{"prompt":"a","logprobs":21}"#, "logprobs"),
+        ] {
+            let e = completion(json).unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(field), "{json}");
+        }
     }
 
     #[test]
@@ -272,5 +547,38 @@ mod tests {
         let e = r.validate(&Limits::default()).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("continuations"));
         assert!(e.message.contains("has 1 entries but prompts has 2"));
+    }
+
+    #[test]
+    fn budgets_bound_tokens_and_logprob_entries() {
+        let limits = Limits::default();
+        // 256 prompts of 1024 ids with echo and 20 alternatives: 5.5M entries from a small body.
+        let g = completion(r#"{"prompt":[[1]],"max_tokens":1,"echo":true,"logprobs":20}"#).unwrap();
+        let ids = vec![vec![1u32; 1024]; 256];
+        let e = g.check_budget(&ids, 100, &limits).unwrap_err();
+        assert_eq!((e.status.as_u16(), e.code), (413, "too_many_tokens"));
+        let ids = vec![vec![1u32; 1024]; 200];
+        let e = g.check_budget(&ids, 100, &limits).unwrap_err();
+        assert_eq!((e.status.as_u16(), e.code), (413, "too_many_logprobs"));
+        assert!(e.message.contains("4305000"), "{}", e.message);
+        let ids = vec![vec![1u32; 100]; 4];
+        assert!(g.check_budget(&ids, 100, &limits).is_ok());
+        // Scoring needs a token before the first one scored: an empty prompt is refused
+        // (found by the fuzzer, as a 500).
+        let scored = completion(r#"{"prompt":"","logprobs":0}"#).unwrap();
+        let e = scored.check_budget(&[vec![]], 100, &limits).unwrap_err();
+        assert_eq!(
+            (e.status.as_u16(), e.param.as_deref()),
+            (400, Some("prompt"))
+        );
+        let plain = completion(r#"{"prompt":""}"#).unwrap();
+        assert!(plain.check_budget(&[vec![]], 100, &limits).is_ok());
+        // Ids outside the vocabulary name the prompt.
+        let e = g.check_budget(&[vec![100]], 100, &limits).unwrap_err();
+        assert!(
+            e.message.contains("prompt[0] has token id 100"),
+            "{}",
+            e.message
+        );
     }
 }

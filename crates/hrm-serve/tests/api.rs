@@ -212,8 +212,8 @@ async fn concurrent_requests_are_batched_without_changing_results() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_answers_429_when_backpressure_is_on() {
     let mut cfg = config("hrm-text");
-    cfg.backpressure = true;
-    cfg.queue_capacity = 1;
+    // About one request's worth of tokens: 40 prompts of a few tokens, 24 new tokens each.
+    cfg.max_queued_tokens = 1500;
     cfg.max_batch_size = 1;
     let server = Server::start(cfg).await;
     let many: Vec<String> = (0..40).map(|i| format!("prompt {i}")).collect();
@@ -362,7 +362,7 @@ async fn openai_completions_with_echo_and_logprobs() {
         .await;
     assert_eq!(
         (status, body["error"]["code"].as_str()),
-        (404, Some("not_found"))
+        (404, Some("model_not_found"))
     );
     let (status, body) = server
         .post("/v1/completions", json!({"prompt": "hi", "logprobs": 99}))
@@ -603,4 +603,70 @@ async fn a_model_that_cannot_load_ends_the_run_with_the_reason() {
         .unwrap_err();
     let message = format!("{err:#}");
     assert!(message.contains("/no/such/checkpoint"), "{message}");
+}
+
+/// The published OpenAPI document names every route the server answers, with the request
+/// schemas that the handlers themselves decode, and every route it names is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openapi_document_describes_the_served_routes() {
+    let mut cfg = config("hrm-text");
+    cfg.api_key = Some("the-key".into());
+    let server = Server::start(cfg).await;
+    // Open, like the health checks: it holds no data.
+    let r = server
+        .client
+        .get(format!("{}/openapi.json", server.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let doc: Value = r.json().await.unwrap();
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    let mut paths: Vec<(String, String)> = Vec::new();
+    for (path, item) in doc["paths"].as_object().unwrap() {
+        for method in item.as_object().unwrap().keys() {
+            paths.push((method.clone(), path.clone()));
+        }
+    }
+    paths.sort();
+    let expected = [
+        ("get", "/healthz"),
+        ("get", "/metrics"),
+        ("get", "/readyz"),
+        ("get", "/tokenizer_info"),
+        ("get", "/v1/models"),
+        ("post", "/detokenize"),
+        ("post", "/generate"),
+        ("post", "/generate_stream"),
+        ("post", "/loglikelihood"),
+        ("post", "/tokenize"),
+        ("post", "/v1/completions"),
+    ];
+    let expected: Vec<(String, String)> = expected
+        .iter()
+        .map(|(m, p)| (m.to_string(), p.to_string()))
+        .collect();
+    assert_eq!(paths, expected);
+    let schemas = doc["components"]["schemas"].as_object().unwrap();
+    for name in [
+        "GenerateRequest",
+        "LoglikelihoodRequest",
+        "CompletionRequest",
+        "ErrorBody",
+    ] {
+        assert!(schemas.contains_key(name), "no schema {name}");
+    }
+    let generate = &schemas["GenerateRequest"];
+    assert_eq!(generate["required"], json!(["prompts"]));
+    // Each named route is served: with the key, none falls through to the 404 of unknown routes.
+    for (method, path) in &paths {
+        let url = format!("{}{path}", server.base);
+        let request = match method.as_str() {
+            "get" => server.client.get(url),
+            _ => server.client.post(url).json(&json!({})),
+        };
+        let r = request.bearer_auth("the-key").send().await.unwrap();
+        assert_ne!(r.status(), 404, "{method} {path}");
+    }
+    server.stop().await;
 }

@@ -8,6 +8,7 @@ use uuid::Uuid;
 
 /// `POST /api/v1/auth/register`. The key is made by the client (32 to 64 characters); the hub
 /// keeps only its SHA-256.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RegisterRequest {
     pub api_key: String,
@@ -22,6 +23,7 @@ pub struct RegisterRequest {
 }
 
 /// `GET /api/v1/auth/challenge`: what registration must prove work on.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Challenge {
     pub challenge: String,
@@ -30,6 +32,7 @@ pub struct Challenge {
     pub expires_at: DateTime<Utc>,
 }
 
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct RegisterResponse {
     pub worker_id: Uuid,
@@ -40,6 +43,7 @@ pub struct RegisterResponse {
 /// `POST /api/v1/auth/login`: the key in the `Authorization: Bearer` header is the credential on
 /// every call, so login returns no session token; it confirms the key and reports the state the
 /// client needs to start.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct LoginResponse {
     pub worker_id: Uuid,
@@ -51,6 +55,7 @@ pub struct LoginResponse {
 }
 
 /// `GET /api/v1/model/current` and one entry of `GET /api/v1/model/versions`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ModelVersionInfo {
     pub version: String,
@@ -68,6 +73,7 @@ pub struct ModelVersionInfo {
 }
 
 /// What the worker reports about itself when it asks for work.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct Hardware {
     #[serde(default)]
@@ -79,6 +85,7 @@ pub struct Hardware {
 }
 
 /// `POST /api/v1/batch/request`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BatchRequest {
     pub worker_id: Uuid,
@@ -88,6 +95,7 @@ pub struct BatchRequest {
 
 /// How a worker trains on a batch, fixed by the hub so that any two computations of the same
 /// batch on the same version agree (the hub recomputes a sample of them to check).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct TrainingPlan {
     /// Inner AdamW steps over the batch; each takes `num_samples / inner_steps` samples.
@@ -108,6 +116,7 @@ pub struct TrainingPlan {
 
 /// The answer to a batch request when a batch was leased (`200`). When none is available the hub
 /// answers `204 No Content` with a `Retry-After` header.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct BatchAssignment {
     pub batch_id: Uuid,
@@ -120,18 +129,21 @@ pub struct BatchAssignment {
 }
 
 /// One JSON line of a batch file: `seq_len + 1` token ids (inputs and shifted targets).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Sample {
     pub input_ids: Vec<u32>,
 }
 
 /// `POST /api/v1/gradients/upload-url`: where to PUT the update file of a leased batch.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct UploadUrlRequest {
     pub worker_id: Uuid,
     pub batch_id: Uuid,
 }
 
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct UploadTarget {
     pub method: String,
@@ -146,6 +158,7 @@ pub struct UploadTarget {
 }
 
 /// `POST /api/v1/gradients/upload`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct GradientUpload {
     pub worker_id: Uuid,
@@ -156,6 +169,7 @@ pub struct GradientUpload {
     pub num_samples: i64,
 }
 
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct UploadReceipt {
     pub update_id: Uuid,
@@ -166,6 +180,7 @@ pub struct UploadReceipt {
 }
 
 /// `POST /api/v1/aggregate` (and the `aggregation` status event).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "status", rename_all = "snake_case")]
 pub enum AggregateOutcome {
@@ -188,6 +203,7 @@ pub enum AggregateOutcome {
     },
 }
 
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 pub struct BatchCounts {
     pub pending: i64,
@@ -197,6 +213,7 @@ pub struct BatchCounts {
 }
 
 /// `GET /api/v1/stats/global`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct GlobalStats {
     pub current_version: Option<String>,
@@ -219,6 +236,7 @@ pub struct GlobalStats {
 }
 
 /// `GET /api/v1/worker/stats`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct WorkerStats {
     pub worker_id: Uuid,
@@ -238,6 +256,7 @@ pub struct WorkerStats {
 }
 
 /// One row of `GET /api/v1/leaderboard`.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct LeaderboardEntry {
     pub rank: i64,
@@ -262,6 +281,7 @@ pub fn badges_for(validated_batches: i64) -> Vec<String> {
 }
 
 /// Messages of the `/api/v1/ws/status` feed.
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum StatusEvent {
@@ -284,11 +304,13 @@ pub enum StatusEvent {
 
 /// The one error body of the hub: `{"error": {"message", "type", "param", "code"}}` (the
 /// client's reading of what `hrm_http::ApiError` writes).
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ErrorBody {
     pub error: ErrorDetail,
 }
 
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ErrorDetail {
     pub message: String,

@@ -229,28 +229,28 @@ fn warn_if_readable_by_others(path: &Path) {
 #[derive(Debug, Clone, Default, Args)]
 pub struct ConfigOverrides {
     /// Hub base address (server.url); also the address written on first run.
-    #[arg(long, env = "HRM_SERVER_URL")]
+    #[arg(long, env = "HRM_WORKER_SERVER_URL")]
     pub server_url: Option<String>,
     /// API key (server.api_key); prefer the file, which only its owner can read.
-    #[arg(long, env = "HRM_API_KEY", hide_env_values = true)]
+    #[arg(long, env = "HRM_WORKER_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// Rows per forward pass: `auto` or a number (training.batch_size).
-    #[arg(long, env = "HRM_BATCH_SIZE")]
+    #[arg(long, env = "HRM_WORKER_BATCH_SIZE")]
     pub batch_size: Option<BatchSize>,
     /// Batches before the session ends (training.max_batches_per_session).
-    #[arg(long, env = "HRM_MAX_BATCHES_PER_SESSION")]
+    #[arg(long, env = "HRM_WORKER_MAX_BATCHES_PER_SESSION")]
     pub max_batches_per_session: Option<u64>,
     /// Tries per request before the step counts as failed (training.retry_attempts).
-    #[arg(long, env = "HRM_RETRY_ATTEMPTS")]
+    #[arg(long, env = "HRM_WORKER_RETRY_ATTEMPTS")]
     pub retry_attempts: Option<u32>,
     /// Per-request timeout in seconds (training.timeout_seconds).
-    #[arg(long, env = "HRM_TIMEOUT_SECONDS")]
+    #[arg(long, env = "HRM_WORKER_TIMEOUT_SECONDS")]
     pub timeout_seconds: Option<u64>,
     /// Send top-k sparsified updates (uploads.compress_gradients).
-    #[arg(long, env = "HRM_COMPRESS_GRADIENTS")]
+    #[arg(long, env = "HRM_WORKER_COMPRESS_GRADIENTS")]
     pub compress_gradients: Option<bool>,
     /// Fraction of values kept when compressing (uploads.compression_ratio).
-    #[arg(long, env = "HRM_COMPRESSION_RATIO")]
+    #[arg(long, env = "HRM_WORKER_COMPRESSION_RATIO")]
     pub compression_ratio: Option<f32>,
 }
 

@@ -11,20 +11,20 @@ use hrm_model::train::ModelSpec;
 #[derive(Debug, Clone, Default, Args)]
 pub struct ResourceArgs {
     /// CPU threads for training (default: all cores).
-    #[arg(long, env = "HRM_THREADS")]
+    #[arg(long, env = "HRM_WORKER_THREADS")]
     pub threads: Option<usize>,
     /// Memory training may use, e.g. `4GiB`, `512MiB` (default: half of this machine's memory).
-    #[arg(long, env = "HRM_MEMORY_LIMIT", value_parser = parse_bytes)]
+    #[arg(long, env = "HRM_WORKER_MEMORY_LIMIT", value_parser = parse_bytes)]
     pub memory_limit: Option<u64>,
     /// On CUDA, the fraction of the GPU's memory training may use (overrides the memory limit
     /// there; default 0.8).
-    #[arg(long, env = "HRM_GPU_MEMORY_FRACTION")]
+    #[arg(long, env = "HRM_WORKER_GPU_MEMORY_FRACTION")]
     pub gpu_memory_fraction: Option<f64>,
     /// Upper bound on rows per forward pass, whatever `batch_size` says.
-    #[arg(long, env = "HRM_MAX_BATCH_SIZE")]
+    #[arg(long, env = "HRM_WORKER_MAX_BATCH_SIZE")]
     pub max_batch_size: Option<usize>,
     /// cpu, cuda, cuda:N, mps or auto.
-    #[arg(long, env = "HRM_DEVICE", default_value = "auto")]
+    #[arg(long, env = "HRM_WORKER_DEVICE", default_value = "auto")]
     pub device: DeviceRequest,
 }
 

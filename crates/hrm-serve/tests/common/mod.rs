@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use hrm_model::{DeviceRequest, Engine};
 use hrm_serve::ServeConfig;
+use hrm_serve::scheduler::Faults;
 use serde_json::Value;
 use tokio::sync::oneshot;
 
@@ -25,8 +26,11 @@ pub fn config(model: &str) -> ServeConfig {
         max_batch_size: 4,
         max_new_tokens: 24,
         context_window: None,
-        queue_capacity: 64,
-        backpressure: false,
+        max_queued_tokens: 1 << 20,
+        backpressure: true,
+        max_request_tokens: 262_144,
+        max_logprob_entries: 262_144,
+        score_chunk_tokens: 2048,
         max_body_bytes: 64 * 1024,
         log_level: "info".into(),
         api_key: None,
@@ -34,6 +38,7 @@ pub fn config(model: &str) -> ServeConfig {
         enable_cors: false,
         cors_origins: Vec::new(),
         ui: false,
+        connections: hrm_http::ConnectionLimits::default(),
         config_file: None,
     }
 }
@@ -47,12 +52,22 @@ pub struct Server {
 
 impl Server {
     pub async fn start(config: ServeConfig) -> Self {
+        Self::start_with_faults(config, Faults::default()).await
+    }
+
+    /// A server whose scheduler fails or panics on prompts holding the given token ids.
+    pub async fn start_with_faults(config: ServeConfig, faults: Faults) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = oneshot::channel::<()>();
-        let done = tokio::spawn(hrm_serve::run(config, listener, async {
-            let _ = stopped.await;
-        }));
+        let done = tokio::spawn(hrm_serve::run_with_faults(
+            config,
+            listener,
+            async {
+                let _ = stopped.await;
+            },
+            faults,
+        ));
         let server = Self {
             base,
             stop: Some(stop),
@@ -63,7 +78,7 @@ impl Server {
         server
     }
 
-    async fn wait_ready(&self) {
+    pub async fn wait_ready(&self) {
         for _ in 0..500 {
             let r = self
                 .client
@@ -128,6 +143,40 @@ impl Server {
             .filter(|l| l.starts_with(name) && !l.starts_with('#'))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
+    }
+
+    /// Tokens of admitted, unfinished work on this server (from `/readyz`).
+    pub async fn queued_tokens(&self) -> u64 {
+        let r = self
+            .client
+            .get(format!("{}/readyz", self.base))
+            .send()
+            .await
+            .unwrap();
+        let body: Value = r.json().await.unwrap();
+        body["queued_tokens"].as_u64().unwrap_or(0)
+    }
+
+    /// Polls `/readyz` until this server holds at least `at_least` tokens of work.
+    pub async fn wait_for_queued_tokens(&self, at_least: u64) {
+        for _ in 0..2000 {
+            if self.queued_tokens().await >= at_least {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("the server never held {at_least} tokens of work");
+    }
+
+    /// Polls `/readyz` until this server holds no work.
+    pub async fn wait_for_no_queued_tokens(&self) {
+        for _ in 0..2000 {
+            if self.queued_tokens().await == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("the server still holds work");
     }
 
     /// Polls `/metrics` until `name` reaches `at_least`.
