@@ -1,4 +1,9 @@
-"""Shared by the reference-side benchmark scripts."""
+"""Shared by the benchmark scripts: the reference side's token ids, and the helpers that start and
+measure `hrm serve`."""
+
+import json
+import socket
+import urllib.request
 
 MASK64 = (1 << 64) - 1
 
@@ -15,3 +20,24 @@ def bench_ids(batch, length, vocab):
             row.append((state >> 33) % vocab)
         rows.append(row)
     return rows
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(base, path, body, timeout=300):
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status, json.load(r)
+
+
+def rss_mb(pid, field="VmRSS"):
+    """A process's resident memory (`VmRSS`, or its peak `VmHWM`), in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return None

@@ -33,19 +33,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 
+from common import free_port
+
 ADMIN_KEY = "network-bench-admin-key-0123456789abcdef01"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url):

@@ -47,7 +47,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,8 @@ import textwrap
 import time
 import urllib.error
 import urllib.request
+
+from common import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PARTS = ["gguf", "transformers", "bandwidth", "rps", "quality", "gap"]
@@ -89,12 +90,6 @@ PROMPTS = [
 
 def log(message):
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_json(url, body=None, timeout=600):

@@ -19,13 +19,14 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import threading
 import time
 import urllib.error
 import urllib.request
+
+from common import free_port, post, rss_mb
 
 PROMPTS = [
     "It was a dark and stormy night",
@@ -37,26 +38,6 @@ PROMPTS = [
     "Once upon a time",
     "The king said unto",
 ]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def post(base, path, body, timeout=300):
-    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return r.status, json.load(r)
-
-
-def rss_mb(pid):
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return None
 
 
 def main():

@@ -126,3 +126,48 @@ fn dry_run_loads_and_reports_or_fails_plainly() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/no/such/model"), "{err}");
 }
+
+/// The first lines `hrm serve` logs until it says it is listening, with `args`.
+fn startup_log(args: &[&str]) -> String {
+    use std::io::{BufRead, BufReader};
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/hrm-text");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_hrm"))
+        .args(["serve", "--device", "cpu", "--port", &port, "--model-path"])
+        .arg(&fixture)
+        .args(args)
+        .env_remove("HRM_SERVE_API_KEY")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut log = String::new();
+    for line in BufReader::new(child.stderr.take().unwrap()).lines() {
+        let line = line.unwrap();
+        log.push_str(&line);
+        log.push('\n');
+        if line.contains("listening") {
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    log
+}
+
+/// Listening beyond loopback with no key is allowed, but never silently.
+#[test]
+fn an_open_address_without_a_key_is_warned_about() {
+    let warning = "NON-LOOPBACK ADDRESS WITH NO API KEY";
+    assert!(startup_log(&["--host", "0.0.0.0"]).contains(warning));
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("key");
+    std::fs::write(&key, "a-serving-key-0123456789\n").unwrap();
+    let keyed = startup_log(&["--host", "0.0.0.0", "--api-key-file", key.to_str().unwrap()]);
+    assert!(!keyed.contains(warning), "{keyed}");
+    assert!(!startup_log(&["--host", "127.0.0.1"]).contains(warning));
+}

@@ -9,21 +9,29 @@
 //!   connection;
 //! * at most `--max-connections` connections are served at once; beyond that, new ones wait
 //!   in the listen backlog;
-//! * on shutdown (SIGTERM or Ctrl-C) the listener closes, idle connections close, in-flight
-//!   requests may finish, and whatever is still open after `--shutdown-timeout` is closed.
+//! * on shutdown (SIGTERM or Ctrl-C) the listener closes, and every connection without a request
+//!   in flight closes at once: idle ones, and ones still sending a request's headers (a slow
+//!   client must not hold the drain). In-flight requests, streamed responses included, may
+//!   finish; whatever is still open after `--shutdown-timeout` is closed.
 //!
 //! Every request carries the peer address as `ConnectInfo<SocketAddr>` for per-IP limits.
 
 use anyhow::Context;
 use axum::Router;
-use axum::extract::ConnectInfo;
+use axum::body::{Body, Bytes, HttpBody};
+use axum::extract::{ConnectInfo, Request};
+use axum::middleware::{self, Next};
+use axum::response::Response;
 use clap::Args;
+use hyper::body::{Frame, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context as TaskContext, Poll};
 use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -138,6 +146,66 @@ pub async fn shutdown_signal() {
     }
 }
 
+/// Requests of one connection that are in flight: from the moment the handler is called until
+/// the response body has been sent or dropped.
+#[derive(Clone)]
+struct InFlight(Arc<tokio::sync::watch::Sender<usize>>);
+
+impl InFlight {
+    fn enter(&self) -> InFlightGuard {
+        self.0.send_modify(|n| *n += 1);
+        InFlightGuard(self.0.clone())
+    }
+}
+
+struct InFlightGuard(Arc<tokio::sync::watch::Sender<usize>>);
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n -= 1);
+    }
+}
+
+/// A response body that keeps its request in flight until it is dropped.
+struct Tracked {
+    body: Body,
+    _guard: InFlightGuard,
+}
+
+impl HttpBody for Tracked {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+async fn track_in_flight(req: Request, next: Next) -> Response {
+    let guard = req.extensions().get::<InFlight>().map(InFlight::enter);
+    let response = next.run(req).await;
+    match guard {
+        Some(guard) => response.map(|body| {
+            Body::new(Tracked {
+                body,
+                _guard: guard,
+            })
+        }),
+        None => response,
+    }
+}
+
 /// Serves `app` on `listener` until `shutdown` resolves, then drains (see the module doc).
 pub async fn serve(
     listener: TcpListener,
@@ -147,7 +215,8 @@ pub async fn serve(
 ) -> anyhow::Result<()> {
     let app = app
         .layer(RequestBodyDeadlineLayer::new(limits.body_deadline))
-        .layer(RequestBodyTimeoutLayer::new(limits.body_timeout));
+        .layer(RequestBodyTimeoutLayer::new(limits.body_timeout))
+        .layer(middleware::from_fn(track_in_flight));
     let mut builder = auto::Builder::new(TokioExecutor::new()).http1_only();
     builder
         .http1()
@@ -178,9 +247,12 @@ pub async fn serve(
             },
             () = &mut shutdown => break,
         };
+        let (busy, mut idle) = tokio::sync::watch::channel(0usize);
+        let in_flight = InFlight(Arc::new(busy));
         let service = app.clone().map_request(
             move |mut req: axum::extract::Request<hyper::body::Incoming>| {
                 req.extensions_mut().insert(ConnectInfo(peer));
+                req.extensions_mut().insert(in_flight.clone());
                 req.map(axum::body::Body::new)
             },
         );
@@ -203,8 +275,18 @@ pub async fn serve(
                     TokioIo::new(stream),
                     TowerToHyperService::new(service),
                 );
-                if let Err(e) = watcher.watch(connection.into_owned()).await {
-                    tracing::debug!(%peer, error = %e, "connection ended with an error");
+                let connection = watcher.watch(connection.into_owned());
+                // Once the server is closing, a connection with no request in flight (idle, or
+                // still sending headers) is dropped, which closes it.
+                let nothing_in_flight = async {
+                    let _ = closing.wait_for(|closing| *closing).await;
+                    let _ = idle.wait_for(|requests| *requests == 0).await;
+                };
+                tokio::select! {
+                    ended = connection => if let Err(e) = ended {
+                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+                    },
+                    () = nothing_in_flight => {}
                 }
             }
             drop(permit);
@@ -236,6 +318,7 @@ pub async fn serve(
 mod tests {
     use super::*;
     use axum::routing::{get, post};
+    use futures::StreamExt;
     use std::net::SocketAddr;
     use std::time::Instant;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -264,6 +347,16 @@ mod tests {
             .route(
                 "/echo",
                 post(|body: axum::body::Bytes| async move { body.len().to_string() }),
+            )
+            .route(
+                "/stream",
+                get(|| async {
+                    let pieces = futures::stream::iter(0..10).then(|i| async move {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        Ok::<_, std::convert::Infallible>(i.to_string())
+                    });
+                    Body::from_stream(pieces)
+                }),
             )
             .route(
                 "/peer",
@@ -374,6 +467,51 @@ mod tests {
             .await
             .unwrap();
         assert!(peer.starts_with("127.0.0.1:"), "{peer}");
+    }
+
+    #[tokio::test]
+    async fn half_sent_headers_do_not_hold_the_drain() {
+        let mut server = start(limits(30, 30, 16, 30)).await;
+        let mut slow = Vec::new();
+        for _ in 0..5 {
+            let mut conn = TcpStream::connect(server.addr).await.unwrap();
+            conn.write_all(b"POST /echo HTTP/1.1\r\nHost: x\r\n")
+                .await
+                .unwrap();
+            slow.push(conn);
+        }
+        // A kept-alive connection that has been served and sits idle.
+        let mut kept = TcpStream::connect(server.addr).await.unwrap();
+        kept.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; 512];
+        let n = kept.read(&mut buf).await.unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).contains("hello"));
+        let started = Instant::now();
+        server.stop.take().unwrap().send(()).unwrap();
+        server.done.await.unwrap().unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "the drain waited {:?} for clients with no request in flight",
+            started.elapsed()
+        );
+        for conn in &mut slow {
+            assert!(closed_within(conn, Duration::from_secs(1)).await);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_streamed_response_finishes_during_the_drain() {
+        let mut server = start(limits(30, 30, 16, 10)).await;
+        let url = format!("http://{}/stream", server.addr);
+        let response = reqwest::get(url).await.unwrap();
+        let started = Instant::now();
+        server.stop.take().unwrap().send(()).unwrap();
+        // The handler has returned; the body is still streaming, and must arrive whole.
+        assert_eq!(response.text().await.unwrap(), "0123456789");
+        server.done.await.unwrap().unwrap();
+        assert!(started.elapsed() < Duration::from_secs(5));
     }
 
     #[tokio::test]

@@ -62,8 +62,8 @@ pub struct ServeArgs {
     /// Log-probability entries one request may return (default 262144).
     #[arg(long, env = "HRM_SERVE_MAX_LOGPROB_ENTRIES")]
     pub max_logprob_entries: Option<usize>,
-    /// Tokens scored between two decode steps, so that scoring never stops generation
-    /// (default 2048).
+    /// The most tokens scored between two decode steps (default 2048); chunks are also cut to
+    /// about 0.1 s of work, so that scoring never holds up generation for long.
     #[arg(long, env = "HRM_SERVE_SCORE_CHUNK_TOKENS")]
     pub score_chunk_tokens: Option<usize>,
     /// Largest accepted request body in bytes (default 4 MiB).

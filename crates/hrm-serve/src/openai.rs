@@ -66,17 +66,42 @@ pub async fn completions(
         }
         None => None,
     };
+    // Decoding the prompts and every log-probability's token text is tokenizer work, bounded by
+    // --max-logprob-entries but still too much for an async worker.
+    let engine = engine.clone();
+    let echo = request.echo;
+    tokio::task::spawn_blocking(move || {
+        Json(completion_body(
+            &engine,
+            &prompts,
+            &generations,
+            scores.as_deref(),
+            echo,
+        ))
+    })
+    .await
+    .map_err(ApiError::internal)
+}
+
+/// OpenAI's `text_completion` object.
+fn completion_body(
+    engine: &Engine,
+    prompts: &[Vec<u32>],
+    generations: &[hrm_model::Generation],
+    scores: Option<&[ChoiceScores]>,
+    echo: bool,
+) -> Value {
     let choices: Vec<Value> = generations
         .iter()
         .enumerate()
         .map(|(i, g)| {
-            let prompt_text = if request.echo {
+            let prompt_text = if echo {
                 engine.tokenizer().decode(&prompts[i]).unwrap_or_default()
             } else {
                 String::new()
             };
-            let logprobs = scores.as_ref().map(|s| {
-                let offset = if request.echo {
+            let logprobs = scores.map(|s| {
+                let offset = if echo {
                     0
                 } else {
                     engine
@@ -98,14 +123,14 @@ pub async fn completions(
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    Ok(Json(json!({
+    json!({
         "id": format!("cmpl-{}", uuid::Uuid::new_v4().simple()),
         "object": "text_completion",
         "created": created,
         "model": engine.name(),
         "choices": choices,
-        "usage": Usage::of(&generations),
-    })))
+        "usage": Usage::of(generations),
+    })
 }
 
 /// One entry per returned token: `(token, logprob or None for the very first echoed token, top)`.
@@ -274,7 +299,7 @@ pub async fn detokenize(
     State(state): State<AppState>,
     JsonBody(request): JsonBody<DetokenizeRequest>,
 ) -> Result<Json<Value>, ApiError> {
-    let engine = &ready(&state)?.engine;
+    let engine = ready(&state)?.engine.clone();
     let vocab = engine.info().vocab_size;
     if let Some(bad) = request.tokens.iter().find(|&&t| t as usize >= vocab) {
         return Err(ApiError::invalid_param(
@@ -282,9 +307,9 @@ pub async fn detokenize(
             format!("token id {bad} is outside the vocabulary of {vocab}"),
         ));
     }
-    let prompt = engine
-        .tokenizer()
-        .decode(&request.tokens)
+    let prompt = tokio::task::spawn_blocking(move || engine.tokenizer().decode(&request.tokens))
+        .await
+        .map_err(ApiError::internal)?
         .map_err(|e| ApiError::internal(format!("detokenising: {e}")))?;
     Ok(Json(json!({ "prompt": prompt })))
 }

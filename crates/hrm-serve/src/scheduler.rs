@@ -6,9 +6,11 @@
 //!   generate, or the rows it scores) from admission until its work ends, however it ends. The
 //!   permits are `--max-queued-tokens`: beyond them a request is answered 429 at once
 //!   (`--backpressure`, the default) or waits for permits.
-//! - **Fair turns.** Between two decode steps the scheduler scores at most one chunk of
-//!   `--score-chunk-tokens` tokens, taking scoring jobs in turn: a large scoring job slows
-//!   generation by a bounded share and never stops it.
+//! - **Fair turns.** Scoring is cut into chunks that take about [`CHUNK_SECONDS`] (at most
+//!   `--score-chunk-tokens` tokens, at least one row), scored between decode steps, taking
+//!   scoring jobs in turn. While sequences decode, scoring gets at most [`SCORE_SHARE`] of the
+//!   loop's time: a large scoring job slows generation by a bounded share and never stops it,
+//!   and a new request waits at most about one chunk for its first step.
 //! - **Nothing for the departed.** Work whose client went away (its result channel closed) is
 //!   dropped before each step and each chunk, on every route.
 //! - **Faults stay local.** A step that fails is retried sequence by sequence, and only the
@@ -88,6 +90,11 @@ pub struct Faults {
     /// The loop panics when it takes in a prompt holding this token id.
     pub panic_on_token: Option<u32>,
 }
+
+/// What a scoring chunk should take, so that decoding sequences and new requests wait little.
+pub const CHUNK_SECONDS: f64 = 0.1;
+/// The share of the loop's time scoring may take while sequences are decoding.
+pub const SCORE_SHARE: f64 = 0.5;
 
 /// Panics within this window that end the process.
 const MAX_RESTARTS: usize = 3;
@@ -341,6 +348,10 @@ struct Loop {
     waiting: VecDeque<Waiting>,
     active: Vec<Running>,
     scoring: VecDeque<ScoreJob>,
+    /// Seconds of scoring that decode steps have paid for (see [`SCORE_SHARE`]).
+    score_credit: f64,
+    /// Tokens scored per second, measured; sizes the chunks.
+    score_rate: Option<f64>,
     next_job: u64,
 }
 
@@ -360,6 +371,8 @@ impl Loop {
             waiting: VecDeque::new(),
             active: Vec::new(),
             scoring: VecDeque::new(),
+            score_credit: 0.0,
+            score_rate: None,
             next_job: 0,
         }
     }
@@ -381,9 +394,22 @@ impl Loop {
             }
             self.drop_abandoned();
             self.admit();
-            self.score_chunk();
+            // The step first: a request admitted just now waits for at most the chunk that was
+            // running when it arrived.
             if !self.active.is_empty() {
+                let started = Instant::now();
                 self.step();
+                if !self.scoring.is_empty() {
+                    self.score_credit +=
+                        started.elapsed().as_secs_f64() * SCORE_SHARE / (1.0 - SCORE_SHARE);
+                }
+            }
+            if self.active.is_empty() || self.score_credit >= 0.0 {
+                self.score_chunk();
+            }
+            if self.scoring.is_empty() {
+                // Credit is not saved up while nothing is scored: it would buy a long burst.
+                self.score_credit = 0.0;
             }
         }
     }
@@ -501,22 +527,32 @@ impl Loop {
         if job.done.is_empty() {
             metrics::histogram!("hrm_queue_seconds").record(job.enqueued.elapsed().as_secs_f64());
         }
+        // Until the speed is known, a small first chunk measures it.
+        let budget = self
+            .score_rate
+            .map_or(256.0, |rate| rate * CHUNK_SECONDS)
+            .min(self.config.score_chunk_tokens as f64) as usize;
         let start = job.done.len();
         let mut end = start;
         let mut tokens = 0;
         while end < job.rows.len()
             && end - start < self.config.max_batch_size.max(1)
-            && (end == start
-                || tokens + job.rows[end].tokens.len() <= self.config.score_chunk_tokens)
+            && (end == start || tokens + job.rows[end].tokens.len() <= budget)
         {
             tokens += job.rows[end].tokens.len();
             end += 1;
         }
-        match self.engine.token_logprobs(
+        let started = Instant::now();
+        let scored = self.engine.token_logprobs(
             &job.rows[start..end],
             job.top_n,
             self.config.max_batch_size,
-        ) {
+        );
+        let seconds = started.elapsed().as_secs_f64();
+        self.score_credit -= seconds;
+        let rate = tokens as f64 / seconds.max(1e-6);
+        self.score_rate = Some(self.score_rate.map_or(rate, |r| 0.7 * r + 0.3 * rate));
+        match scored {
             Ok(scored) => {
                 self.health
                     .tokens_done
