@@ -261,6 +261,12 @@ impl ServeConfig {
                 && self.score_chunk_tokens >= 1,
             "max_queued_tokens, max_request_tokens, max_logprob_entries and score_chunk_tokens must be at least 1"
         );
+        // The budget is a semaphore whose permits are taken 2^32 - 1 at most at a time.
+        anyhow::ensure!(
+            self.max_queued_tokens <= u32::MAX as usize,
+            "max_queued_tokens must be at most {}",
+            u32::MAX
+        );
         anyhow::ensure!(
             self.max_body_bytes >= 1024,
             "max_body_bytes must be at least 1024"
@@ -387,6 +393,16 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("max_batch_size")
+        );
+        let args = ServeArgs {
+            max_queued_tokens: Some(1 << 40),
+            ..ServeArgs::default()
+        };
+        assert!(
+            ServeConfig::resolve(&args)
+                .unwrap_err()
+                .to_string()
+                .contains("max_queued_tokens")
         );
     }
 

@@ -83,12 +83,25 @@ pub struct SchedulerConfig {
 }
 
 /// Faults the tests inject; none in service.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct Faults {
     /// A step over a sequence whose prompt holds this token id fails.
     pub fail_on_token: Option<u32>,
     /// The loop panics when it takes in a prompt holding this token id.
     pub panic_on_token: Option<u32>,
+    /// What happens when the loop keeps panicking: in service, the process exits with status
+    /// 70 so that a supervisor restarts it.
+    pub give_up: fn(),
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Self {
+            fail_on_token: None,
+            panic_on_token: None,
+            give_up: || std::process::exit(70),
+        }
+    }
 }
 
 /// What a scoring chunk should take, so that decoding sequences and new requests wait little.
@@ -105,7 +118,6 @@ const RESTART_WINDOW: Duration = Duration::from_secs(60);
 struct Health {
     /// False while the loop restarts after a panic.
     running: AtomicBool,
-    restarts: AtomicUsize,
     /// Requests sent but not yet taken in by the loop.
     waiting: AtomicUsize,
     /// Tokens processed (prompt, generated, scored), for the Retry-After estimate.
@@ -291,9 +303,9 @@ fn supervise(
                         panics = panics.len(),
                         "the inference loop keeps panicking; exiting so that a supervisor restarts the service"
                     );
-                    std::process::exit(70);
+                    (faults.give_up)();
+                    return;
                 }
-                health.restarts.fetch_add(1, Ordering::SeqCst);
                 tracing::error!("the inference loop panicked; its requests failed; restarting it");
                 health.running.store(true, Ordering::SeqCst);
             }

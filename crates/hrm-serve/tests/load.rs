@@ -269,3 +269,44 @@ async fn shutdown_is_bounded_with_slow_clients_connected() {
         started.elapsed()
     );
 }
+
+static GAVE_UP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// A loop that keeps panicking is not restarted for ever: the service says it is not ready and
+/// gives up (in service, the process exits with status 70 for its supervisor).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scheduler_that_keeps_panicking_gives_up() {
+    let faults = Faults {
+        panic_on_token: Some(9),
+        give_up: || GAVE_UP.store(true, std::sync::atomic::Ordering::SeqCst),
+        ..Faults::default()
+    };
+    let server = Server::start_with_faults(config("hrm-text"), faults).await;
+    for _ in 0..4 {
+        let (status, body) = server
+            .post(
+                "/v1/completions",
+                json!({"prompt": [[5, 9]], "max_tokens": 4}),
+            )
+            .await;
+        assert_eq!(status, 503, "{body}");
+    }
+    server
+        .wait_for_metric("hrm_scheduler_restarts_total", 4.0)
+        .await;
+    assert!(GAVE_UP.load(std::sync::atomic::Ordering::SeqCst));
+    let readyz = server
+        .client
+        .get(format!("{}/readyz", server.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(readyz.status(), 503);
+    let (status, body) = server
+        .post("/generate", json!({"prompts": ["w1"], "max_tokens": 1}))
+        .await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (503, Some("scheduler_restarting"))
+    );
+}
