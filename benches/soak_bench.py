@@ -4,7 +4,9 @@
     python3 benches/soak_bench.py --hrm target/release/hrm [--model models/sample] [--seconds 90]
 
 Starts `hrm serve` itself (CPU, --max-batch-size 8, a token budget of --max-queued-tokens that
-the load fills) and reports, as one JSON object:
+the load fills), warms it up with --warmup-seconds of the mixed load (not measured), and reports,
+as one JSON object. --slow-sockets slow-loris sockets (200) stay connected from the warm-up to the
+shutdown, sending a header byte every few seconds and reconnecting when cut off.
   * idle_probe        latency of a one-token /generate on the idle server (p50, p99, max)
   * flood_probe       the same probe, every 0.25 s, for --flood-seconds of /loglikelihood floods
                       of 256 prompts of about 800 tokens: one client sends them and leaves after
@@ -13,12 +15,12 @@ the load fills) and reports, as one JSON object:
   * mixed_probe       the probe during --seconds of everything at once: the floods, short and
                       long /generate requests, /generate_stream streams read to the end,
                       /v1/completions with echo and logprobs, requests whose clients leave at a
-                      random moment, and 200 slow-loris sockets that send a header byte every
-                      few seconds and reconnect when cut off
+                      random moment
   * load              answers of both phases, counted by kind and status
   * server_errors     5xx answers, and those that are not one of the documented 503s (goal: 0)
   * rss_mb            resident memory after the warm-up, at the peak, and once the load has
                       drained (goal: drift under 5%)
+  * slow_loris        how often the server cut a slow socket off, in both phases
   * cancelled         requests the server dropped because their client left (/metrics)
   * shutdown          SIGTERM while the slow-loris sockets are connected and a request is in
                       flight: seconds to exit, against --shutdown-timeout, and the exit code
@@ -42,7 +44,7 @@ import time
 import urllib.error
 import urllib.request
 
-from common import free_port, post, rss_mb
+from common import free_port, rss_mb
 
 WORDS = ("the king said unto them that the people of the land were gathered in the city and "
          "the house of the lord was full of light as it was in the days of old").split()
@@ -152,6 +154,8 @@ def main():
     p.add_argument("--hrm", default="target/release/hrm")
     p.add_argument("--model", default="models/sample")
     p.add_argument("--seconds", type=float, default=90.0, help="the mixed load")
+    p.add_argument("--warmup-seconds", type=float, default=30.0,
+                   help="the mixed load before the memory baseline, not measured")
     p.add_argument("--flood-seconds", type=float, default=30.0, help="the scoring flood alone, first")
     p.add_argument("--max-queued-tokens", type=int, default=300_000,
                    help="the server's token budget: one scoring flood fits, a second does not")
@@ -177,14 +181,6 @@ def main():
                         break
             except (urllib.error.URLError, ConnectionError):
                 time.sleep(0.05)
-        # Warm-up: every kind of work once, then the idle figures.
-        post(base, "/generate", {"prompts": [text(20, i) for i in range(8)], "max_tokens": 32})
-        post(base, "/loglikelihood", {"prompts": [text(800, 2000 + i) for i in range(32)], "continuations": [" the king"] * 32})
-        post(base, "/v1/completions", {"prompt": [text(30, i) for i in range(8)], "max_tokens": 8, "echo": True, "logprobs": 5})
-        idle = [probe(base)[2] for _ in range(40)]
-        report["idle_probe"] = percentiles(idle)
-        rss_start = rss_mb(server.pid)
-
         flood = [text(800, 1000 + i) for i in range(256)]
         flood_workers = {
             # The report's flood: the client leaves after 1 s and sends it again ...
@@ -202,11 +198,11 @@ def main():
                                             {"prompt": [text(30, n)], "max_tokens": 64} if n % 2 else {"prompts": [text(30, n)], "max_tokens": 64},
                                             random.uniform(0.05, 1.5)),
         }
-        tally = Tally()
-        peak = [rss_start]
+        peak = [0.0]
 
-        def run_load(workers, seconds):
-            """The workers' loops and the one-token probe for `seconds`; the probe's latencies."""
+        def run_load(workers, seconds, tally):
+            """The workers' loops and the one-token probe for `seconds`, then every answer still
+            owed to a waiting client; the probe's latencies."""
             done, probes = threading.Event(), []
 
             def loop(kind, make):
@@ -236,17 +232,37 @@ def main():
                 time.sleep(1)
                 peak[0] = max(peak[0], rss_mb(server.pid))
             done.set()
-            # Requests still running are abandoned: their clients leave with the benchmark.
+            # Each loop ends once its last request is answered, so late answers are counted too.
             for th in threads:
-                th.join(timeout=1)
+                th.join()
             return probes
 
-        # The flood alone, as the report measured it; then everything at once, slow sockets too.
-        report["flood_probe"] = percentiles(run_load(flood_workers, args.flood_seconds))
+        def drained():
+            """Waits until the server holds no work."""
+            for _ in range(600):
+                with urllib.request.urlopen(base + "/readyz", timeout=30) as r:
+                    if json.load(r)["queued_tokens"] == 0:
+                        return
+                time.sleep(0.5)
+
+        # Warm-up: the mixed load once, slow sockets too, so that the allocator's pools, the
+        # caches and the connections have reached their working size before the memory baseline
+        # is taken; then the idle figures. The slow sockets stay until the shutdown.
         loris = SlowLoris(port, args.slow_sockets)
         loris_thread = threading.Thread(target=loris.run, daemon=True)
         loris_thread.start()
-        report["mixed_probe"] = percentiles(run_load(mixed_workers, args.seconds))
+        run_load(mixed_workers, args.warmup_seconds, Tally())
+        drained()
+        idle = [probe(base)[2] for _ in range(40)]
+        report["idle_probe"] = percentiles(idle)
+        rss_start = rss_mb(server.pid)
+        peak[0] = rss_start
+        tally = Tally()
+
+        # The scoring flood, as the report measured it; then everything at once.
+        loris.reconnects = 0
+        report["flood_probe"] = percentiles(run_load(flood_workers, args.flood_seconds, tally))
+        report["mixed_probe"] = percentiles(run_load(mixed_workers, args.seconds, tally))
         report["load"] = {kind: dict(c) for kind, c in sorted(tally.counts.items())}
         report["server_errors"] = {
             "total": len(tally.server_errors),
@@ -254,12 +270,7 @@ def main():
                              if not (e["status"] == 503 and e["code"] in DOCUMENTED_503)],
         }
         report["slow_loris"] = {"sockets": args.slow_sockets, "cut_off_and_reopened": loris.reconnects}
-        # The load has drained once the server holds no work.
-        for _ in range(600):
-            with urllib.request.urlopen(base + "/readyz", timeout=30) as r:
-                if json.load(r)["queued_tokens"] == 0:
-                    break
-            time.sleep(0.5)
+        drained()
         rss_end = rss_mb(server.pid)
         report["rss_mb"] = {"start": round(rss_start, 1), "peak": round(peak[0], 1), "end": round(rss_end, 1),
                             "drift": round(rss_end / rss_start - 1, 4)}
