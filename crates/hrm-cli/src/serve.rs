@@ -13,20 +13,22 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     crate::init_logging(&config.log_level);
     if args.dry_run {
         let started = std::time::Instant::now();
-        let (engine, device) = hrm_serve::load_engine(&config)?;
+        let loaded = hrm_serve::load_engine(&config)?;
+        let engine = &loaded.engine;
         println!(
             "{}",
             serde_json::json!({
                 "model": engine.name(),
                 "family": engine.info().family.as_str(),
                 "format": engine.format(),
-                "device": device,
+                "device": loaded.device,
                 "parameters": engine.info().num_parameters,
                 // What one decode step must read: with the measured memory bandwidth, the bound
                 // on batch-1 decode speed.
                 "weight_bytes_per_token": engine.info().weight_bytes,
                 "context_window": engine.context_window(),
                 "vocab_size": engine.tokenizer().vocab_size(),
+                "chat_template": loaded.chat_template.as_ref().map(|t| &t.source),
                 "load_seconds": started.elapsed().as_secs_f64(),
             })
         );

@@ -11,48 +11,18 @@ mod support;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
-use support::{Process, free_port};
+use support::{Process, free_port, python_venv, repo};
 
 /// Requests per route and phase.
 const EXAMPLES: &str = "50";
 const SEED: &str = "20261124";
 
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
 /// The `st` executable: `SCHEMATHESIS`, else one installed into `target/schemathesis`.
 fn schemathesis() -> PathBuf {
-    if let Some(st) = std::env::var_os("SCHEMATHESIS") {
-        return st.into();
+    match std::env::var_os("SCHEMATHESIS") {
+        Some(st) => st.into(),
+        None => python_venv("schemathesis", "tests/fuzz/requirements.txt", "st"),
     }
-    let venv = repo().join("target/schemathesis");
-    let st = venv.join("bin/st");
-    if st.exists() {
-        return st;
-    }
-    let status = Command::new("python3")
-        .args(["-m", "venv"])
-        .arg(&venv)
-        .status()
-        .expect(
-            "python3 is needed for the fuzz test (Debian: apt-get install python3 python3-venv)",
-        );
-    assert!(
-        status.success(),
-        "python3 -m venv {} failed",
-        venv.display()
-    );
-    let status = Command::new(venv.join("bin/pip"))
-        .args(["install", "--quiet", "--disable-pip-version-check", "-r"])
-        .arg(repo().join("tests/fuzz/requirements.txt"))
-        .status()
-        .unwrap();
-    assert!(
-        status.success(),
-        "installing schemathesis from PyPI failed; install it by hand (pip install -r tests/fuzz/requirements.txt) and set SCHEMATHESIS to its `st`"
-    );
-    st
 }
 
 fn hrm() -> Command {

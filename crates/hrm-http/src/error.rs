@@ -51,6 +51,18 @@ pub struct ErrorDetail<'a> {
 }
 
 impl ApiError {
+    /// The body this error is answered with (also sent as a streamed response's last event).
+    pub fn body(&self) -> ErrorBody<'_> {
+        ErrorBody {
+            error: ErrorDetail {
+                message: &self.message,
+                kind: self.kind(),
+                param: self.param.as_deref(),
+                code: self.code,
+            },
+        }
+    }
+
     pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
         Self {
             status,
@@ -158,15 +170,7 @@ impl From<anyhow::Error> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = ErrorBody {
-            error: ErrorDetail {
-                message: &self.message,
-                kind: self.kind(),
-                param: self.param.as_deref(),
-                code: self.code,
-            },
-        };
-        let mut response = (self.status, axum::Json(body)).into_response();
+        let mut response = (self.status, axum::Json(self.body())).into_response();
         if let Some(seconds) = self.retry_after {
             response
                 .headers_mut()

@@ -16,6 +16,9 @@ pub struct TextTokenizer {
     inner: Tokenizer,
     eos_ids: Vec<u32>,
     bos_id: Option<u32>,
+    /// The BOS token's text, whether or not prompts get it (chat templates write it).
+    bos_token: Option<String>,
+    chat_template: Option<String>,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -33,14 +36,26 @@ impl TextTokenizer {
     pub fn from_file(path: &Path, config_eos: Vec<u32>, bos_id: Option<u32>) -> Result<Self> {
         let inner = Tokenizer::from_file(path)
             .map_err(|e| Error::Tokenizer(format!("cannot load {}: {e}", path.display())))?;
+        let config = tokenizer_config(path);
         let mut eos_ids = config_eos;
         if eos_ids.is_empty() {
-            eos_ids.extend(eos_from_tokenizer_config(path, &inner));
+            eos_ids.extend(
+                config
+                    .as_ref()
+                    .and_then(|c| token_of_config(c, "eos_token"))
+                    .and_then(|eos| inner.token_to_id(&eos)),
+            );
         }
+        let bos_token = config
+            .as_ref()
+            .and_then(|c| token_of_config(c, "bos_token"))
+            .or_else(|| bos_id.and_then(|id| inner.id_to_token(id)));
         Ok(Self {
             inner,
             eos_ids,
             bos_id,
+            bos_token,
+            chat_template: config.as_ref().and_then(chat_template_of_config),
         })
     }
 
@@ -128,6 +143,11 @@ impl TextTokenizer {
             } else {
                 None
             },
+            bos_token: id("tokenizer.ggml.bos_token_id")
+                .and_then(|id| tokens.get(id as usize).cloned()),
+            chat_template: md("tokenizer.chat_template")
+                .ok()
+                .and_then(|v| v.to_string().ok().cloned()),
         })
     }
 
@@ -184,18 +204,46 @@ impl TextTokenizer {
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
     }
+
+    /// The BOS token's text, whether or not prompts get it.
+    pub fn bos_token(&self) -> Option<&str> {
+        self.bos_token.as_deref()
+    }
+
+    /// The model's chat template (Jinja), from the GGUF's `tokenizer.chat_template` or
+    /// `chat_template` in `tokenizer_config.json` beside `tokenizer.json`.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
 }
 
-fn eos_from_tokenizer_config(tokenizer_path: &Path, tokenizer: &Tokenizer) -> Option<u32> {
+/// `tokenizer_config.json` beside `tokenizer.json`, when it is there and is JSON.
+fn tokenizer_config(tokenizer_path: &Path) -> Option<serde_json::Value> {
     let config_path = tokenizer_path.with_file_name("tokenizer_config.json");
     let text = std::fs::read_to_string(config_path).ok()?;
-    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
-    let eos = match &json["eos_token"] {
-        serde_json::Value::String(s) => s.clone(),
-        serde_json::Value::Object(o) => o.get("content")?.as_str()?.to_string(),
-        _ => return None,
-    };
-    tokenizer.token_to_id(&eos)
+    serde_json::from_str(&text).ok()
+}
+
+/// A special token's text: a string, or an object with `content`.
+fn token_of_config(config: &serde_json::Value, key: &str) -> Option<String> {
+    match &config[key] {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => Some(o.get("content")?.as_str()?.to_string()),
+        _ => None,
+    }
+}
+
+/// `chat_template` is one template, or a list of named ones of which `default` is the chat's.
+fn chat_template_of_config(config: &serde_json::Value) -> Option<String> {
+    match &config["chat_template"] {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(named) => named
+            .iter()
+            .find(|t| t["name"] == "default")
+            .and_then(|t| t["template"].as_str())
+            .map(str::to_string),
+        _ => None,
+    }
 }
 
 /// The end-of-text token of tokenizers trained here: id 0, also the document separator.
@@ -240,4 +288,31 @@ pub fn train_byte_level_bpe(files: &[std::path::PathBuf], vocab_size: usize) -> 
         .train_from_files(&mut trainer, files)
         .map_err(|e| Error::Tokenizer(format!("training: {e}")))?;
     Ok(tokenizer.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_tokenizer_config_gives_its_chat_template_and_special_tokens() {
+        let one: serde_json::Value = serde_json::json!({
+            "chat_template": "{{ messages }}",
+            "bos_token": {"content": "<s>", "lstrip": false},
+            "eos_token": "</s>",
+        });
+        assert_eq!(
+            chat_template_of_config(&one).as_deref(),
+            Some("{{ messages }}")
+        );
+        assert_eq!(token_of_config(&one, "bos_token").as_deref(), Some("<s>"));
+        assert_eq!(token_of_config(&one, "eos_token").as_deref(), Some("</s>"));
+        // Several named templates: the chat's is `default`.
+        let named = serde_json::json!({"chat_template": [
+            {"name": "tool_use", "template": "tools"},
+            {"name": "default", "template": "chat"},
+        ]});
+        assert_eq!(chat_template_of_config(&named).as_deref(), Some("chat"));
+        assert_eq!(chat_template_of_config(&serde_json::json!({})), None);
+    }
 }

@@ -35,6 +35,10 @@ pub struct ServeArgs {
     /// tokenizer.json overriding the checkpoint's own.
     #[arg(long, env = "HRM_TOKENIZER_PATH")]
     pub tokenizer_path: Option<PathBuf>,
+    /// Jinja chat template for /v1/chat/completions, overriding the model's own (default: the
+    /// GGUF's or tokenizer_config.json's, if any).
+    #[arg(long, env = "HRM_SERVE_CHAT_TEMPLATE")]
+    pub chat_template: Option<PathBuf>,
     /// cpu, cuda or mps (default: auto-detect).
     #[arg(long, env = "HRM_DEVICE")]
     pub device: Option<DeviceRequest>,
@@ -108,6 +112,7 @@ pub struct ServeFileSection {
     pub port: Option<u16>,
     pub model_path: Option<PathBuf>,
     pub tokenizer_path: Option<PathBuf>,
+    pub chat_template: Option<PathBuf>,
     pub device: Option<DeviceRequest>,
     pub max_batch_size: Option<usize>,
     pub max_new_tokens: Option<usize>,
@@ -143,6 +148,7 @@ pub struct ServeConfig {
     pub port: u16,
     pub model_path: PathBuf,
     pub tokenizer_path: Option<PathBuf>,
+    pub chat_template: Option<PathBuf>,
     pub device: DeviceRequest,
     pub max_batch_size: usize,
     pub max_new_tokens: usize,
@@ -191,6 +197,7 @@ impl ServeConfig {
                 .or(file.model_path)
                 .unwrap_or_else(|| PathBuf::from("models/sample")),
             tokenizer_path: args.tokenizer_path.clone().or(file.tokenizer_path),
+            chat_template: args.chat_template.clone().or(file.chat_template),
             device: args.device.or(file.device).unwrap_or_default(),
             max_batch_size: args.max_batch_size.or(file.max_batch_size).unwrap_or(16),
             max_new_tokens: args.max_new_tokens.or(file.max_new_tokens).unwrap_or(1024),

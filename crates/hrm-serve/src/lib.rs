@@ -1,7 +1,8 @@
 //! `hrm serve`: the HTTP inference service (specification: `shared/spec/inference-service.md`).
 //!
 //! This crate owns the v1 contract (`/generate`, `/loglikelihood`, `/healthz`, `/readyz`,
-//! `/metrics`), request validation ([`validation`]: one path for every route), settings
+//! `/metrics`), the OpenAI-compatible routes ([`openai`], with chat templates in [`chat`]),
+//! request validation ([`validation`]: one path for every route), settings
 //! ([`config`]) and the continuous-batching [`scheduler`] that drives `hrm_model::Engine`. The
 //! error body, the connection hygiene and the drain on SIGTERM come from `hrm-http`, shared with
 //! `hrm hub`.
@@ -10,6 +11,7 @@
 //! loads in the background; a failed load ends the process with an error. `/readyz` also
 //! answers 503 while the scheduler restarts after a fault.
 
+pub mod chat;
 pub mod config;
 pub mod openai;
 pub mod routes;
@@ -21,6 +23,7 @@ use std::sync::{Arc, OnceLock};
 
 use anyhow::Context;
 use axum::Router;
+use chat::ChatTemplate;
 use hrm_model::Engine;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 
@@ -47,6 +50,16 @@ pub struct Ready {
     pub scheduler: Scheduler,
     /// `cpu`, `cuda:0`, ...
     pub device: String,
+    /// For `/v1/chat/completions`; none for models without one.
+    pub chat_template: Option<Arc<ChatTemplate>>,
+}
+
+/// A model loaded for serving.
+pub struct Loaded {
+    pub engine: Engine,
+    /// `cpu`, `cuda:0`, ...
+    pub device: String,
+    pub chat_template: Option<ChatTemplate>,
 }
 
 impl AppState {
@@ -119,8 +132,8 @@ fn metrics_handle() -> PrometheusHandle {
         .clone()
 }
 
-/// Loads the model named by `config` into an engine.
-pub fn load_engine(config: &ServeConfig) -> anyhow::Result<(Engine, String)> {
+/// Loads the model named by `config` into an engine, with its chat template.
+pub fn load_engine(config: &ServeConfig) -> anyhow::Result<Loaded> {
     let device = hrm_model::select_device(config.device)?;
     let label = hrm_model::device::device_label(&device);
     let loaded = hrm_model::load_model(
@@ -131,18 +144,18 @@ pub fn load_engine(config: &ServeConfig) -> anyhow::Result<(Engine, String)> {
     )
     .with_context(|| format!("loading the model from {}", config.model_path.display()))?;
     let engine = Engine::new(loaded, config.context_window)?;
-    Ok((engine, label))
+    let chat_template =
+        ChatTemplate::for_model(config.chat_template.as_deref(), engine.tokenizer())?;
+    Ok(Loaded {
+        engine,
+        device: label,
+        chat_template,
+    })
 }
 
-/// Marks `state` ready with `engine`, starting its scheduler.
-pub fn attach_engine(
-    state: &AppState,
-    engine: Engine,
-    device: String,
-    config: &ServeConfig,
-    faults: Faults,
-) {
-    let engine = Arc::new(engine);
+/// Marks `state` ready with the loaded model, starting its scheduler.
+pub fn attach_engine(state: &AppState, loaded: Loaded, config: &ServeConfig, faults: Faults) {
+    let engine = Arc::new(loaded.engine);
     let scheduler = Scheduler::start(
         engine.clone(),
         SchedulerConfig {
@@ -156,7 +169,8 @@ pub fn attach_engine(
     state.set_ready(Ready {
         engine,
         scheduler,
-        device,
+        device: loaded.device,
+        chat_template: loaded.chat_template.map(Arc::new),
     });
 }
 
@@ -206,17 +220,19 @@ pub async fn run_with_faults(
     let load_state = state.clone();
     tokio::spawn(async move {
         match loading.await {
-            Ok(Ok((engine, device))) => {
+            Ok(Ok(loaded)) => {
+                let engine = &loaded.engine;
                 tracing::info!(
                     model = engine.name(),
                     family = engine.info().family.as_str(),
                     format = engine.format(),
-                    device = %device,
+                    device = %loaded.device,
                     context_window = engine.context_window(),
+                    chat_template = loaded.chat_template.as_ref().map_or("none", |t| t.source.as_str()),
                     seconds = started.elapsed().as_secs_f64(),
                     "model loaded; ready"
                 );
-                attach_engine(&load_state, engine, device, &config, faults);
+                attach_engine(&load_state, loaded, &config, faults);
             }
             Ok(Err(e)) => {
                 let _ = failed_tx.send(e);

@@ -1,49 +1,73 @@
-//! OpenAI-compatible routes for evaluation tools (lm-evaluation-harness `local-completions`):
-//! `POST /v1/completions`, `GET /v1/models`, and the remote-tokenizer routes `POST /tokenize`,
-//! `POST /detokenize`, `GET /tokenizer_info`.
+//! OpenAI-compatible routes for evaluation tools and OpenAI's clients: `POST /v1/completions`,
+//! `POST /v1/chat/completions`, `GET /v1/models`, and the remote-tokenizer routes
+//! `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`.
+//!
+//! Both completion routes go through the one validation path and the scheduler like
+//! `/generate`: the same limits, backpressure and cancellation. `n` samples of a prompt are `n`
+//! sequences, batched. With `stream`, the answer is server-sent events in OpenAI's chunk format,
+//! ending with `data: [DONE]`.
 //!
 //! Per-token log-probabilities (`logprobs`, `echo`) come from one teacher-forced pass over the
 //! prompt and the generated tokens, the same forward pass that generated them.
 
+use std::collections::VecDeque;
+use std::convert::Infallible;
+
 use axum::Json;
 use axum::extract::State;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
 use hrm_http::{ApiError, JsonBody};
 use hrm_model::engine::ScoreRow;
 use hrm_model::{Engine, FinishReason, TokenLogprob};
 use serde::Deserialize;
 use serde_json::{Value, json};
+use tokio::sync::mpsc::UnboundedReceiver;
 
-use crate::routes::{ModelRouteErrors, Usage, budgeted_ids, generate_all, ready};
-use crate::validation::CompletionRequest;
+use crate::routes::{ModelRouteErrors, Usage, budgeted_ids, generate_all, ready, scheduler_gone};
+use crate::scheduler::GenEvent;
+use crate::validation::{ChatRequest, CompletionRequest};
 use crate::{AppState, Ready};
 
-/// OpenAI's completions: several prompts (text or token ids), `echo` and `logprobs`.
+/// OpenAI's completions: several prompts (text or token ids), `n` samples each, `echo` and
+/// `logprobs`, streamed or not.
 #[utoipa::path(post, path = "/v1/completions", request_body = CompletionRequest, responses(
-    (status = 200, description = "OpenAI's `text_completion` object", content_type = "application/json"),
+    (status = 200, description = "OpenAI's `text_completion` object; with `stream`, server-sent events of `text_completion` chunks ending with `data: [DONE]`", content_type = "application/json"),
     (status = 404, description = "`model` names another model (`model_not_found`)", body = hrm_http::ErrorBody<'static>),
     ModelRouteErrors,
 ), security((), ("bearer" = [])))]
 pub async fn completions(
     State(state): State<AppState>,
     JsonBody(request): JsonBody<CompletionRequest>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let model = request.model.clone();
     let mut request = request.validate(&state.limits)?;
     let ready = ready(&state)?;
-    let engine = &ready.engine;
-    if let Some(model) = &model
-        && model != engine.name()
-    {
-        return Err(ApiError::not_found(
-            "model_not_found",
-            format!(
-                "model {model:?} is not served here; this server serves {:?} (GET /v1/models)",
-                engine.name()
-            ),
-        )
-        .with_param("model"));
-    }
+    check_model(&ready.engine, model.as_deref())?;
     let prompts = budgeted_ids(&state, ready, &mut request).await?;
+    let count = prompts.len();
+    let chunks = Chunks::new(&ready.engine, Route::Completion);
+    if let Some(stream) = &request.stream {
+        let opening = if request.echo {
+            let engine = ready.engine.clone();
+            let texts = prompts.clone();
+            tokio::task::spawn_blocking(move || {
+                texts
+                    .iter()
+                    .map(|p| engine.tokenizer().decode(p).unwrap_or_default())
+                    .collect()
+            })
+            .await
+            .map_err(ApiError::internal)?
+        } else {
+            Vec::new()
+        };
+        let events = ready
+            .scheduler
+            .generate(prompts, request.params, true)
+            .await?;
+        return Ok(chunks.stream(events, count, opening, stream.include_usage));
+    }
     let params = request.params;
     let generations = if params.max_tokens == 0 {
         prompts
@@ -68,69 +92,325 @@ pub async fn completions(
     };
     // Decoding the prompts and every log-probability's token text is tokenizer work, bounded by
     // --max-logprob-entries but still too much for an async worker.
-    let engine = engine.clone();
+    let engine = ready.engine.clone();
     let echo = request.echo;
     tokio::task::spawn_blocking(move || {
-        Json(completion_body(
-            &engine,
-            &prompts,
-            &generations,
-            scores.as_deref(),
-            echo,
-        ))
+        let choices = generations
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                let prompt_text = if echo {
+                    engine.tokenizer().decode(&prompts[i]).unwrap_or_default()
+                } else {
+                    String::new()
+                };
+                let logprobs = scores.as_ref().map(|s| {
+                    let offset = if echo {
+                        0
+                    } else {
+                        engine
+                            .tokenizer()
+                            .decode(&prompts[i])
+                            .map(|t| t.len())
+                            .unwrap_or(0)
+                    };
+                    logprobs_object(&engine, &s[i], offset)
+                });
+                json!({
+                    "index": i,
+                    "text": format!("{prompt_text}{}", g.text),
+                    "logprobs": logprobs,
+                    "finish_reason": g.finish_reason,
+                })
+            })
+            .collect();
+        Json(chunks.whole(choices, &Usage::of(&generations))).into_response()
     })
     .await
     .map_err(ApiError::internal)
 }
 
-/// OpenAI's `text_completion` object.
-fn completion_body(
-    engine: &Engine,
-    prompts: &[Vec<u32>],
-    generations: &[hrm_model::Generation],
-    scores: Option<&[ChoiceScores]>,
-    echo: bool,
-) -> Value {
-    let choices: Vec<Value> = generations
-        .iter()
-        .enumerate()
-        .map(|(i, g)| {
-            let prompt_text = if echo {
-                engine.tokenizer().decode(&prompts[i]).unwrap_or_default()
-            } else {
-                String::new()
-            };
-            let logprobs = scores.map(|s| {
-                let offset = if echo {
-                    0
-                } else {
-                    engine
-                        .tokenizer()
-                        .decode(&prompts[i])
-                        .map(|t| t.len())
-                        .unwrap_or(0)
-                };
-                logprobs_object(engine, &s[i], offset)
-            });
-            json!({
-                "index": i,
-                "text": format!("{prompt_text}{}", g.text),
-                "logprobs": logprobs,
-                "finish_reason": g.finish_reason,
+/// OpenAI's chat completions: the conversation rendered with the model's chat template, `n`
+/// answers, `logprobs` of the answer's tokens, streamed or not.
+#[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatRequest, responses(
+    (status = 200, description = "OpenAI's `chat.completion` object; with `stream`, server-sent events of `chat.completion.chunk` chunks ending with `data: [DONE]`", content_type = "application/json"),
+    (status = 404, description = "`model` names another model (`model_not_found`)", body = hrm_http::ErrorBody<'static>),
+    ModelRouteErrors,
+), security((), ("bearer" = [])))]
+pub async fn chat_completions(
+    State(state): State<AppState>,
+    JsonBody(request): JsonBody<ChatRequest>,
+) -> Result<Response, ApiError> {
+    let model = request.model.clone();
+    let mut request = request.validate(&state.limits)?;
+    let ready = ready(&state)?;
+    check_model(&ready.engine, model.as_deref())?;
+    let prompts = budgeted_ids(&state, ready, &mut request).await?;
+    let count = prompts.len();
+    let chunks = Chunks::new(&ready.engine, Route::Chat);
+    if let Some(stream) = &request.stream {
+        let events = ready
+            .scheduler
+            .generate(prompts, request.params, true)
+            .await?;
+        return Ok(chunks.stream(events, count, Vec::new(), stream.include_usage));
+    }
+    let generations = generate_all(ready, prompts.clone(), request.params).await?;
+    let scores = match request.logprobs {
+        Some(top_n) => Some(score_choices(ready, &prompts, &generations, false, top_n).await?),
+        None => None,
+    };
+    let engine = ready.engine.clone();
+    tokio::task::spawn_blocking(move || {
+        let choices = generations
+            .iter()
+            .enumerate()
+            .map(|(i, g)| {
+                json!({
+                    "index": i,
+                    "message": {"role": "assistant", "content": g.text},
+                    "logprobs": scores.as_ref().map(|s| chat_logprobs(&engine, &s[i])),
+                    "finish_reason": g.finish_reason,
+                })
             })
+            .collect();
+        Json(chunks.whole(choices, &Usage::of(&generations))).into_response()
+    })
+    .await
+    .map_err(ApiError::internal)
+}
+
+/// 404 unless `model` is absent or names the served model.
+fn check_model(engine: &Engine, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(model) if model != engine.name() => Err(ApiError::not_found(
+            "model_not_found",
+            format!(
+                "model {model:?} is not served here; this server serves {:?} (GET /v1/models)",
+                engine.name()
+            ),
+        )
+        .with_param("model")),
+        _ => Ok(()),
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Route {
+    Completion,
+    Chat,
+}
+
+/// The envelope of one answer: the same id, time and model on every chunk of a stream.
+struct Chunks {
+    route: Route,
+    id: String,
+    created: u64,
+    model: String,
+}
+
+impl Chunks {
+    fn new(engine: &Engine, route: Route) -> Self {
+        let prefix = match route {
+            Route::Completion => "cmpl",
+            Route::Chat => "chatcmpl",
+        };
+        Self {
+            route,
+            id: format!("{prefix}-{}", uuid::Uuid::new_v4().simple()),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            model: engine.name().to_string(),
+        }
+    }
+
+    /// The whole answer in one body.
+    fn whole(&self, choices: Vec<Value>, usage: &Usage) -> Value {
+        let object = match self.route {
+            Route::Completion => "text_completion",
+            Route::Chat => "chat.completion",
+        };
+        json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage,
+        })
+    }
+
+    /// One streamed chunk; with `include_usage`, every chunk has a `usage` field, null but on
+    /// the last.
+    fn chunk(&self, choices: Vec<Value>, usage: Option<Option<&Usage>>) -> Event {
+        let object = match self.route {
+            Route::Completion => "text_completion",
+            Route::Chat => "chat.completion.chunk",
+        };
+        let mut body = json!({
+            "id": self.id,
+            "object": object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        if let Some(usage) = usage {
+            body["usage"] = json!(usage);
+        }
+        Event::default().data(body.to_string())
+    }
+
+    /// A choice's piece of text (chat: a `delta`, the first one with the role).
+    fn piece(&self, index: usize, text: &str, first: bool) -> Value {
+        match self.route {
+            Route::Completion => {
+                json!({"index": index, "text": text, "logprobs": null, "finish_reason": null})
+            }
+            Route::Chat if first => {
+                json!({"index": index, "delta": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": null})
+            }
+            Route::Chat => {
+                json!({"index": index, "delta": {"content": text}, "logprobs": null, "finish_reason": null})
+            }
+        }
+    }
+
+    fn finish(&self, index: usize, reason: FinishReason) -> Value {
+        match self.route {
+            Route::Completion => {
+                json!({"index": index, "text": "", "logprobs": null, "finish_reason": reason})
+            }
+            Route::Chat => {
+                json!({"index": index, "delta": {}, "logprobs": null, "finish_reason": reason})
+            }
+        }
+    }
+
+    /// Server-sent events of a generation of `count` choices: `opening[i]` first for choice `i`
+    /// (echoed prompts), then its text as it is decoded and a chunk with its finish reason;
+    /// then, with `include_usage`, a chunk with no choices and the usage; then `data: [DONE]`.
+    /// A fault ends the stream with `data: {"error": ...}` (as vLLM does) and `[DONE]`. Dropping
+    /// the stream, when the client leaves, cancels the generation.
+    fn stream(
+        self,
+        events: UnboundedReceiver<GenEvent>,
+        count: usize,
+        opening: Vec<String>,
+        include_usage: bool,
+    ) -> Response {
+        let mut progress = Progress {
+            chunks: self,
+            events,
+            pending: VecDeque::new(),
+            started: vec![false; count],
+            usage: Usage::default(),
+            remaining: count,
+            include_usage,
+            finished: false,
+        };
+        for (i, text) in opening.iter().enumerate() {
+            progress.piece(i, text);
+        }
+        let stream = futures::stream::unfold(progress, |mut p| async move {
+            loop {
+                if let Some(event) = p.pending.pop_front() {
+                    return Some((Ok::<_, Infallible>(event), p));
+                }
+                if p.finished {
+                    return None;
+                }
+                match p.events.recv().await {
+                    Some(GenEvent::Token { prompt, text }) => p.piece(prompt, &text),
+                    Some(GenEvent::Done { prompt, generation }) => p.done(prompt, &generation),
+                    Some(GenEvent::Failed(message)) => p.fail(&ApiError::internal(message)),
+                    None => p.fail(&scheduler_gone()),
+                }
+            }
+        });
+        Sse::new(stream)
+            .keep_alive(KeepAlive::default())
+            .into_response()
+    }
+}
+
+/// A stream's state between chunks.
+struct Progress {
+    chunks: Chunks,
+    events: UnboundedReceiver<GenEvent>,
+    pending: VecDeque<Event>,
+    /// Whether choice `i` has sent a chunk (chat's first one carries the role).
+    started: Vec<bool>,
+    usage: Usage,
+    remaining: usize,
+    include_usage: bool,
+    finished: bool,
+}
+
+impl Progress {
+    fn push(&mut self, choices: Vec<Value>) {
+        let usage = self.include_usage.then_some(None);
+        let chunk = self.chunks.chunk(choices, usage);
+        self.pending.push_back(chunk);
+    }
+
+    fn piece(&mut self, index: usize, text: &str) {
+        let first = !std::mem::replace(&mut self.started[index], true);
+        let piece = self.chunks.piece(index, text, first);
+        self.push(vec![piece]);
+    }
+
+    fn done(&mut self, index: usize, generation: &hrm_model::Generation) {
+        if !self.started[index] {
+            self.piece(index, "");
+        }
+        let finish = self.chunks.finish(index, generation.finish_reason);
+        self.push(vec![finish]);
+        self.usage.prompt_tokens += generation.prompt_tokens;
+        self.usage.completion_tokens += generation.completion_tokens;
+        self.remaining -= 1;
+        if self.remaining == 0 {
+            self.usage.total_tokens = self.usage.prompt_tokens + self.usage.completion_tokens;
+            if self.include_usage {
+                let last = self.chunks.chunk(Vec::new(), Some(Some(&self.usage)));
+                self.pending.push_back(last);
+            }
+            self.end();
+        }
+    }
+
+    fn fail(&mut self, e: &ApiError) {
+        let body = serde_json::to_string(&e.body()).unwrap_or_default();
+        self.pending.push_back(Event::default().data(body));
+        self.end();
+    }
+
+    fn end(&mut self) {
+        self.pending.push_back(Event::default().data("[DONE]"));
+        self.finished = true;
+    }
+}
+
+/// The `logprobs` of a chat choice: OpenAI's `{"content": [{token, logprob, bytes,
+/// top_logprobs}]}`.
+fn chat_logprobs(engine: &Engine, scores: &ChoiceScores) -> Value {
+    let entry = |id: u32, logprob: f32| {
+        let text = engine
+            .tokenizer()
+            .decode_verbatim(&[id])
+            .unwrap_or_default();
+        json!({"token": text, "logprob": logprob, "bytes": text.as_bytes()})
+    };
+    let content: Vec<Value> = scores
+        .iter()
+        .filter_map(|(id, score)| score.as_ref().map(|s| (*id, s)))
+        .map(|(id, s)| {
+            let mut e = entry(id, s.logprob);
+            e["top_logprobs"] = s.top.iter().map(|(t, lp)| entry(*t, *lp)).collect();
+            e
         })
         .collect();
-    let created = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    json!({
-        "id": format!("cmpl-{}", uuid::Uuid::new_v4().simple()),
-        "object": "text_completion",
-        "created": created,
-        "model": engine.name(),
-        "choices": choices,
-        "usage": Usage::of(generations),
-    })
+    json!({ "content": content })
 }
 
 /// One entry per returned token: `(token, logprob or None for the very first echoed token, top)`.

@@ -20,7 +20,7 @@ use tracing::Level;
 
 use crate::scheduler::GenEvent;
 use crate::validation::{self, GenerateRequest, LoglikelihoodRequest, Prompts};
-use crate::{AppState, Ready, ServeConfig, openai};
+use crate::{AppState, Ready, ServeConfig, chat, openai};
 use hrm_http::{ApiError, ErrorBody, JsonBody};
 use utoipa::OpenApi;
 use utoipa_axum::router::OpenApiRouter;
@@ -39,6 +39,7 @@ fn api() -> OpenApiRouter<AppState> {
         .routes(routes!(generate_stream))
         .routes(routes!(loglikelihood))
         .routes(routes!(openai::completions))
+        .routes(routes!(openai::chat_completions))
         .routes(routes!(openai::models))
         .routes(routes!(openai::tokenize))
         .routes(routes!(openai::detokenize))
@@ -291,26 +292,42 @@ struct LoglikelihoodResponse {
     ll: Vec<f64>,
 }
 
-/// Token ids of the prompts, tokenised on a blocking thread: a prompt of several megabytes
-/// must not hold an async worker.
+/// Token ids of the prompts, tokenised (and a conversation rendered with the chat template) on
+/// a blocking thread: a prompt of several megabytes must not hold an async worker.
 pub async fn prompt_ids(ready: &Ready, prompts: Prompts) -> Result<Vec<Vec<u32>>, ApiError> {
-    let texts = match prompts {
-        Prompts::Ids(ids) => return Ok(ids),
-        Prompts::Texts(texts) => texts,
-    };
     let engine = ready.engine.clone();
-    tokio::task::spawn_blocking(move || {
-        texts
-            .iter()
-            .map(|p| engine.encode_prompt(p))
-            .collect::<Result<Vec<_>, _>>()
-    })
-    .await
-    .map_err(ApiError::internal)?
-    .map_err(|e| ApiError::internal(format!("tokenising the prompts: {e}")))
+    let tokenising =
+        |e: hrm_model::Error| ApiError::internal(format!("tokenising the prompts: {e}"));
+    match prompts {
+        Prompts::Ids(ids) => Ok(ids),
+        Prompts::Texts(texts) => tokio::task::spawn_blocking(move || {
+            texts
+                .iter()
+                .map(|p| engine.encode_prompt(p))
+                .collect::<Result<Vec<_>, _>>()
+        })
+        .await
+        .map_err(ApiError::internal)?
+        .map_err(tokenising),
+        Prompts::Chat(messages) => {
+            let template = ready.chat_template.clone().ok_or_else(chat::no_template)?;
+            tokio::task::spawn_blocking(move || {
+                let text = template.render(&messages)?;
+                // The template writes the special tokens itself (BOS included), as
+                // transformers' `apply_chat_template` expects.
+                let ids = engine
+                    .tokenizer()
+                    .encode(&text, false)
+                    .map_err(tokenising)?;
+                Ok(vec![ids])
+            })
+            .await
+            .map_err(ApiError::internal)?
+        }
+    }
 }
 
-/// Validated prompts as token ids within the request's budget.
+/// Validated prompts as token ids, `n` copies of each in a row, within the request's budget.
 pub async fn budgeted_ids(
     state: &AppState,
     ready: &Ready,
@@ -318,6 +335,10 @@ pub async fn budgeted_ids(
 ) -> Result<Vec<Vec<u32>>, ApiError> {
     let prompts = std::mem::replace(&mut request.prompts, Prompts::Ids(Vec::new()));
     let ids = prompt_ids(ready, prompts).await?;
+    let ids: Vec<Vec<u32>> = ids
+        .into_iter()
+        .flat_map(|p| std::iter::repeat_n(p, request.n))
+        .collect();
     request.check_budget(&ids, ready.engine.info().vocab_size, &state.limits)?;
     Ok(ids)
 }
@@ -348,13 +369,11 @@ pub async fn generate_all(
 
 /// An `error` event in the usual error shape, for a stream that cannot finish.
 fn error_event(e: &ApiError) -> Result<Event, axum::Error> {
-    Event::default().event("error").json_data(
-        json!({"error": {"message": e.message, "type": e.kind(), "param": e.param, "code": e.code}}),
-    )
+    Event::default().event("error").json_data(e.body())
 }
 
 /// The scheduler dropped the request: it restarted after a fault.
-fn scheduler_gone() -> ApiError {
+pub fn scheduler_gone() -> ApiError {
     ApiError::unavailable(
         "scheduler_restarting",
         "the inference loop restarted after a fault before this request finished; retry",

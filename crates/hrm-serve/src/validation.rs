@@ -1,18 +1,23 @@
 //! Every rule a request must meet, in one place, each with its own error naming the field.
 //! Every route's body goes through here and comes out as a validated type: [`Generation`] for
-//! `/generate`, `/generate_stream` and `/v1/completions`, [`Scoring`] for `/loglikelihood`. A
-//! limit added here holds on every route.
+//! `/generate`, `/generate_stream`, `/v1/completions` and `/v1/chat/completions`, [`Scoring`]
+//! for `/loglikelihood`. A limit added here holds on every route.
 //!
 //! Two stages: the fields ([`GenerateRequest::validate`], [`CompletionRequest::validate`],
-//! [`LoglikelihoodRequest::validate`], answered 400), then, once the prompts are token ids, the
+//! [`ChatRequest::validate`], [`LoglikelihoodRequest::validate`], answered 400; an OpenAI field
+//! this server does not implement is a 400 that names it, never dropped), then, once the
+//! prompts are token ids (`n` copies of each), the
 //! request's budget ([`Generation::check_budget`], [`Scoring::check_budget`], answered 413):
 //! prompt plus generated tokens, and the log-probability entries it would return. Bodies that
 //! are not JSON of the right shape are rejected earlier, by the JSON extractor, with 422.
 
+use std::collections::BTreeMap;
+
 use hrm_http::ApiError;
 use hrm_model::GenerateParams;
 use hrm_model::engine::ScoreRow;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
 use utoipa::ToSchema;
 
 /// Limits the rules enforce; from the server configuration.
@@ -115,6 +120,56 @@ pub struct CompletionRequest {
     #[serde(default)]
     #[schema(minimum = 0)]
     pub max_tokens: Option<i64>,
+    /// Alternatives per position, 0 to 20.
+    #[serde(default)]
+    #[schema(minimum = 0, maximum = 20)]
+    pub logprobs: Option<i64>,
+    #[serde(default)]
+    pub echo: bool,
+    #[serde(flatten)]
+    pub sampling: OpenAiSampling,
+    /// Any other field: a neutral value of a field listed in docs/api.md is accepted, anything
+    /// else is answered 400 naming it.
+    #[serde(flatten)]
+    #[schema(ignore)]
+    pub other: BTreeMap<String, Value>,
+}
+
+/// Body of `POST /v1/chat/completions` (OpenAI's fields that this server implements).
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct ChatRequest {
+    /// Must name the served model when given (`GET /v1/models`).
+    #[serde(default)]
+    pub model: Option<String>,
+    /// At least one; rendered with the model's chat template.
+    #[schema(min_items = 1)]
+    pub messages: Vec<ChatMessageInput>,
+    /// Default `--max-new-tokens`; `max_completion_tokens` is the same setting's newer name.
+    #[serde(default)]
+    #[schema(minimum = 0)]
+    pub max_tokens: Option<i64>,
+    #[serde(default)]
+    #[schema(minimum = 0)]
+    pub max_completion_tokens: Option<i64>,
+    /// Log-probabilities of the generated tokens.
+    #[serde(default)]
+    pub logprobs: Option<bool>,
+    /// Alternatives per position, 0 to 20; needs `logprobs`.
+    #[serde(default)]
+    #[schema(minimum = 0, maximum = 20)]
+    pub top_logprobs: Option<i64>,
+    #[serde(flatten)]
+    pub sampling: OpenAiSampling,
+    /// Any other field: a neutral value of a field listed in docs/api.md is accepted, anything
+    /// else is answered 400 naming it.
+    #[serde(flatten)]
+    #[schema(ignore)]
+    pub other: BTreeMap<String, Value>,
+}
+
+/// The sampling fields both OpenAI routes share.
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct OpenAiSampling {
     /// 0 to 2. Default 1.
     #[serde(default)]
     #[schema(minimum = 0.0, maximum = 2.0)]
@@ -123,16 +178,69 @@ pub struct CompletionRequest {
     #[serde(default)]
     #[schema(exclusive_minimum = 0.0, maximum = 1.0)]
     pub top_p: Option<f64>,
+    /// Sample `i` of the request (prompt by prompt, `n` per prompt) is drawn with `seed + i`.
     #[serde(default)]
     pub seed: Option<u64>,
     #[serde(default)]
     pub stop: Option<StopInput>,
-    /// Alternatives per position, 0 to 20.
+    /// Samples per prompt, batched; default 1.
     #[serde(default)]
-    #[schema(minimum = 0, maximum = 20)]
-    pub logprobs: Option<i64>,
+    #[schema(minimum = 1)]
+    pub n: Option<i64>,
+    /// Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
     #[serde(default)]
-    pub echo: bool,
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+}
+
+/// `stream_options`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StreamOptions {
+    /// A last chunk, with no choices, carries the request's `usage`.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// One chat message.
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct ChatMessageInput {
+    /// `system`, `user`, `assistant`, or another role the template knows.
+    pub role: String,
+    pub content: ChatContent,
+    /// Passed to the template.
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(flatten)]
+    #[schema(ignore)]
+    pub other: BTreeMap<String, Value>,
+}
+
+/// A message's content: text, or a list of `{"type": "text", "text": ...}` parts.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum ChatContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct ContentPart {
+    /// Only `text`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    #[serde(default)]
+    pub text: Option<String>,
+}
+
+/// A validated chat message, as the template sees it.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 /// Prompts as the client sent them.
@@ -140,6 +248,8 @@ pub struct CompletionRequest {
 pub enum Prompts {
     Texts(Vec<String>),
     Ids(Vec<Vec<u32>>),
+    /// One conversation, rendered with the model's chat template.
+    Chat(Vec<ChatMessage>),
 }
 
 impl Prompts {
@@ -147,6 +257,7 @@ impl Prompts {
         match self {
             Prompts::Texts(t) => t.len(),
             Prompts::Ids(i) => i.len(),
+            Prompts::Chat(_) => 1,
         }
     }
 
@@ -164,6 +275,10 @@ pub struct Generation {
     pub logprobs: Option<usize>,
     /// The prompt's tokens come back too (with their log-probabilities).
     pub echo: bool,
+    /// Samples per prompt.
+    pub n: usize,
+    /// Answered as server-sent events.
+    pub stream: Option<StreamOptions>,
 }
 
 /// A validated scoring request.
@@ -301,6 +416,8 @@ impl GenerateRequest {
             params,
             logprobs: None,
             echo: false,
+            n: 1,
+            stream: None,
         })
     }
 }
@@ -309,6 +426,7 @@ impl CompletionRequest {
     /// Checks every field, with OpenAI's defaults for this route (16 tokens, temperature 1).
     /// The model name is checked by the handler, which knows the model.
     pub fn validate(self, limits: &Limits) -> Result<Generation, ApiError> {
+        unsupported(&self.other, COMPLETION_NEUTRAL, self.sampling.n)?;
         let prompts = match self.prompt {
             PromptInput::Text(text) => Prompts::Texts(vec![text]),
             PromptInput::Texts(texts) => Prompts::Texts(texts),
@@ -316,8 +434,146 @@ impl CompletionRequest {
             PromptInput::IdLists(lists) => Prompts::Ids(lists),
         };
         count("prompt", prompts.len(), limits)?;
+        let logprobs = logprobs(self.logprobs)?;
+        if self.sampling.stream && logprobs.is_some() {
+            return Err(invalid(
+                "logprobs",
+                "logprobs cannot be streamed by this server; ask without stream",
+            ));
+        }
+        let max_tokens = max_tokens(self.max_tokens, 16, limits)?;
+        self.sampling
+            .into_generation(prompts, max_tokens, logprobs, self.echo, limits)
+    }
+}
+
+impl ChatRequest {
+    /// Checks every field, with OpenAI's defaults for this route (up to `--max-new-tokens`,
+    /// temperature 1). The model name is checked by the handler, which knows the model.
+    pub fn validate(self, limits: &Limits) -> Result<Generation, ApiError> {
+        unsupported(&self.other, CHAT_NEUTRAL, self.sampling.n)?;
+        if self.messages.is_empty() {
+            return Err(invalid(
+                "messages",
+                "messages must contain at least one message",
+            ));
+        }
+        let messages = self
+            .messages
+            .into_iter()
+            .enumerate()
+            .map(|(i, m)| m.validate(i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let logprobs = match (self.logprobs.unwrap_or(false), self.top_logprobs) {
+            (false, None) => None,
+            (false, Some(_)) => {
+                return Err(invalid("top_logprobs", "top_logprobs needs logprobs: true"));
+            }
+            (true, top) => logprobs(Some(top.unwrap_or(0))).map_err(|_| {
+                invalid(
+                    "top_logprobs",
+                    format!("top_logprobs must be between 0 and {MAX_LOGPROBS}"),
+                )
+            })?,
+        };
+        if self.sampling.stream && logprobs.is_some() {
+            return Err(invalid(
+                "logprobs",
+                "logprobs cannot be streamed by this server; ask without stream",
+            ));
+        }
+        let max_tokens = match (self.max_tokens, self.max_completion_tokens) {
+            (Some(_), Some(_)) => {
+                return Err(invalid(
+                    "max_completion_tokens",
+                    "give max_tokens or max_completion_tokens, not both",
+                ));
+            }
+            (Some(n), None) => max_tokens(Some(n), 0, limits)?,
+            (None, Some(n)) => max_tokens(Some(n), 0, limits).map_err(|e| {
+                invalid(
+                    "max_completion_tokens",
+                    e.message.replace("max_tokens", "max_completion_tokens"),
+                )
+            })?,
+            (None, None) => limits.max_new_tokens,
+        };
+        self.sampling
+            .into_generation(Prompts::Chat(messages), max_tokens, logprobs, false, limits)
+    }
+}
+
+impl ChatMessageInput {
+    fn validate(self, i: usize) -> Result<ChatMessage, ApiError> {
+        if let Some(field) = self.other.keys().next() {
+            return Err(ApiError::invalid(
+                "unsupported_field",
+                format!("messages[{i}].{field} is not supported by this server (tools and function calls are not)"),
+            )
+            .with_param(format!("messages[{i}].{field}")));
+        }
+        if self.role.is_empty() {
+            return Err(invalid(
+                &format!("messages[{i}].role"),
+                format!("messages[{i}].role is empty"),
+            ));
+        }
+        let content = match self.content {
+            ChatContent::Text(text) => text,
+            ChatContent::Parts(parts) => {
+                let mut text = String::new();
+                for (j, part) in parts.into_iter().enumerate() {
+                    match (part.kind.as_str(), part.text) {
+                        ("text", Some(t)) => {
+                            if !text.is_empty() {
+                                text.push('\n');
+                            }
+                            text.push_str(&t);
+                        }
+                        ("text", None) => {
+                            return Err(invalid(
+                                &format!("messages[{i}].content[{j}].text"),
+                                format!("messages[{i}].content[{j}] is a text part without text"),
+                            ));
+                        }
+                        (kind, _) => {
+                            return Err(ApiError::invalid(
+                                "unsupported_field",
+                                format!("content parts of type {kind:?} are not supported; only \"text\""),
+                            )
+                            .with_param(format!("messages[{i}].content[{j}].type")));
+                        }
+                    }
+                }
+                text
+            }
+        };
+        Ok(ChatMessage {
+            role: self.role,
+            content,
+            name: self.name,
+        })
+    }
+}
+
+impl OpenAiSampling {
+    fn into_generation(
+        self,
+        prompts: Prompts,
+        max_tokens: usize,
+        logprobs: Option<usize>,
+        echo: bool,
+        limits: &Limits,
+    ) -> Result<Generation, ApiError> {
+        let n = samples(self.n, prompts.len(), limits)?;
+        if self.stream_options.is_some() && !self.stream {
+            return Err(invalid(
+                "stream_options",
+                "stream_options needs stream: true",
+            ));
+        }
         let params = GenerateParams {
-            max_tokens: max_tokens(self.max_tokens, 16, limits)?,
+            max_tokens,
             temperature: temperature(self.temperature, 1.0)?,
             top_p: top_p(self.top_p)?,
             seed: self.seed,
@@ -332,10 +588,128 @@ impl CompletionRequest {
         Ok(Generation {
             prompts,
             params,
-            logprobs: logprobs(self.logprobs)?,
-            echo: self.echo,
+            logprobs,
+            echo,
+            n,
+            stream: self.stream.then(|| {
+                self.stream_options.unwrap_or(StreamOptions {
+                    include_usage: false,
+                })
+            }),
         })
     }
+}
+
+/// `n`: at least 1, and at most `--max-prompts` samples in the whole request.
+fn samples(value: Option<i64>, prompts: usize, limits: &Limits) -> Result<usize, ApiError> {
+    let n = value.unwrap_or(1);
+    if n < 1 {
+        return Err(invalid("n", format!("n must be at least 1, got {n}")));
+    }
+    if (n as u64).saturating_mul(prompts as u64) > limits.max_prompts as u64 {
+        return Err(invalid(
+            "n",
+            format!(
+                "n = {n} samples of {prompts} prompt(s) is more than the {} sequences allowed per request",
+                limits.max_prompts
+            ),
+        ));
+    }
+    Ok(n as usize)
+}
+
+/// OpenAI fields this server does not implement, each with the value that leaves the answer
+/// unchanged: the field is accepted with that value and refused with any other. `best_of` is
+/// neutral when it equals `n` (checked apart); `user` is only the client's label.
+const COMPLETION_NEUTRAL: &[(&str, Neutral)] = &[
+    ("best_of", Neutral::EqualsN),
+    ("suffix", Neutral::EmptyText),
+    ("logit_bias", Neutral::EmptyMap),
+    ("presence_penalty", Neutral::Zero),
+    ("frequency_penalty", Neutral::Zero),
+    ("user", Neutral::Any),
+];
+const CHAT_NEUTRAL: &[(&str, Neutral)] = &[
+    ("logit_bias", Neutral::EmptyMap),
+    ("presence_penalty", Neutral::Zero),
+    ("frequency_penalty", Neutral::Zero),
+    ("user", Neutral::Any),
+    ("tools", Neutral::EmptyList),
+    ("tool_choice", Neutral::NoneText),
+    ("parallel_tool_calls", Neutral::Any),
+    ("response_format", Neutral::TextFormat),
+];
+
+#[derive(Clone, Copy, Debug)]
+enum Neutral {
+    EqualsN,
+    EmptyText,
+    EmptyMap,
+    EmptyList,
+    Zero,
+    NoneText,
+    TextFormat,
+    Any,
+}
+
+impl Neutral {
+    fn holds(self, value: &Value, n: Option<i64>) -> bool {
+        match self {
+            Neutral::EqualsN => value.as_i64() == Some(n.unwrap_or(1)),
+            Neutral::EmptyText => value.as_str() == Some(""),
+            Neutral::EmptyMap => value.as_object().is_some_and(|m| m.is_empty()),
+            Neutral::EmptyList => value.as_array().is_some_and(|a| a.is_empty()),
+            Neutral::Zero => value.as_f64() == Some(0.0),
+            Neutral::NoneText => value.as_str() == Some("none"),
+            Neutral::TextFormat => value["type"] == "text",
+            Neutral::Any => true,
+        }
+    }
+
+    fn expected(self) -> &'static str {
+        match self {
+            Neutral::EqualsN => "equal to n",
+            Neutral::EmptyText => "\"\"",
+            Neutral::EmptyMap => "{}",
+            Neutral::EmptyList => "[]",
+            Neutral::Zero => "0",
+            Neutral::NoneText => "\"none\"",
+            Neutral::TextFormat => "{\"type\": \"text\"}",
+            Neutral::Any => "anything",
+        }
+    }
+}
+
+/// 400 `unsupported_field` for the first field that is not implemented with the value given;
+/// `null` counts as absent.
+fn unsupported(
+    other: &BTreeMap<String, Value>,
+    neutral: &[(&str, Neutral)],
+    n: Option<i64>,
+) -> Result<(), ApiError> {
+    for (field, value) in other {
+        if value.is_null() {
+            continue;
+        }
+        let error = |message: String| {
+            Err(ApiError::invalid("unsupported_field", message).with_param(field.as_str()))
+        };
+        match neutral.iter().find(|(name, _)| name == field) {
+            Some((_, rule)) if rule.holds(value, n) => {}
+            Some((_, rule)) => {
+                return error(format!(
+                    "{field} is not supported by this server; only {} is accepted (docs/api.md)",
+                    rule.expected()
+                ));
+            }
+            None => {
+                return error(format!(
+                    "{field} is not a field this server implements (docs/api.md lists them)"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Generation {

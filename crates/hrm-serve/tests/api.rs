@@ -640,6 +640,7 @@ async fn the_openapi_document_describes_the_served_routes() {
         ("post", "/generate_stream"),
         ("post", "/loglikelihood"),
         ("post", "/tokenize"),
+        ("post", "/v1/chat/completions"),
         ("post", "/v1/completions"),
     ];
     let expected: Vec<(String, String)> = expected
@@ -652,6 +653,7 @@ async fn the_openapi_document_describes_the_served_routes() {
         "GenerateRequest",
         "LoglikelihoodRequest",
         "CompletionRequest",
+        "ChatRequest",
         "ErrorBody",
     ] {
         assert!(schemas.contains_key(name), "no schema {name}");

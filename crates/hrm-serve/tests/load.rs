@@ -61,8 +61,17 @@ async fn work_stops_when_its_client_leaves() {
     cfg.score_chunk_tokens = 16;
     cfg.max_batch_size = 1;
     cfg.max_new_tokens = 500;
+    let dir = tempfile::tempdir().unwrap();
+    let template = dir.path().join("chat.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}{{ m.content }}{% endfor %}",
+    )
+    .unwrap();
+    cfg.chat_template = Some(template);
     let server = Server::start(cfg).await;
     let prompts: Vec<String> = (0..256).map(|i| text(40, i)).collect();
+    let chat = |stream: bool| json!({"messages": [{"role": "user", "content": text(40, 1)}], "n": 128, "max_tokens": 500, "stream": stream});
     let continuations: Vec<String> = (0..256).map(|i| text(16, i)).collect();
     let long = json!({"prompts": prompts, "max_tokens": 500, "temperature": 0});
     for (path, body, kind) in [
@@ -78,6 +87,13 @@ async fn work_stops_when_its_client_leaves() {
             json!({"prompt": prompts, "max_tokens": 500, "temperature": 0}),
             "generate",
         ),
+        (
+            "/v1/completions",
+            json!({"prompt": prompts, "max_tokens": 500, "stream": true}),
+            "generate",
+        ),
+        ("/v1/chat/completions", chat(false), "generate"),
+        ("/v1/chat/completions", chat(true), "generate"),
         // Echo with log-probabilities scores the prompts after generating nothing.
         (
             "/v1/completions",

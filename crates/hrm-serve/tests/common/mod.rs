@@ -22,6 +22,7 @@ pub fn config(model: &str) -> ServeConfig {
         port: 0,
         model_path: fixture(model),
         tokenizer_path: None,
+        chat_template: None,
         device: DeviceRequest::Cpu,
         max_batch_size: 4,
         max_new_tokens: 24,
