@@ -124,6 +124,27 @@ async fn n_samples_are_the_seeded_samples_of_repeated_prompts() {
         body["usage"]["completion_tokens"],
         generated["usage"]["completion_tokens"]
     );
+
+    // n, echo, logprobs, stop and seed together: every sample has its own log-probabilities.
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            json!({"prompt": "Call me", "n": 2, "max_tokens": 4, "temperature": 1, "seed": 3, "echo": true, "logprobs": 1, "stop": ["\n"]}),
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"].as_array().unwrap().len(), 2);
+    for choice in body["choices"].as_array().unwrap() {
+        let text = choice["text"].as_str().unwrap();
+        assert!(
+            text.starts_with("Call me") && !text.contains('\n'),
+            "{text:?}"
+        );
+        let tokens = choice["logprobs"]["tokens"].as_array().unwrap();
+        let logprobs = choice["logprobs"]["token_logprobs"].as_array().unwrap();
+        assert_eq!(tokens.len(), logprobs.len());
+        assert!(logprobs[0].is_null() && logprobs[1..].iter().all(|l| l.as_f64().unwrap() <= 0.0));
+    }
     server.stop().await;
 }
 
