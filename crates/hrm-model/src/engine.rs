@@ -154,6 +154,9 @@ pub struct Loglikelihood {
     pub tokens: Vec<TokenLogprob>,
 }
 
+/// Temperatures below this decode greedily (see [`Engine::start`]).
+pub const MIN_TEMPERATURE: f64 = 1e-6;
+
 /// Logit elements one scoring pass may materialise (`rows * positions * vocab`): 256 MiB of f32.
 const SCORING_LOGITS_BUDGET: usize = 64 << 20;
 
@@ -225,9 +228,10 @@ impl Engine {
         let seed = params
             .seed
             .unwrap_or_else(|| RandomState::new().hash_one(std::time::Instant::now()));
-        // Top-p runs in f32: a p that rounds to 0 there would keep no token at all, and top-p
-        // tending to 0 keeps the likeliest one, which is greedy decoding.
-        let sampling = if params.temperature <= 0.0 || (params.top_p as f32) <= 0.0 {
+        // Sampling runs in f32. A p that rounds to 0 there would keep no token at all, and
+        // logits divided by a temperature near 0 overflow to infinities; top-p and temperature
+        // tending to 0 both keep the likeliest token, which is greedy decoding.
+        let sampling = if params.temperature < MIN_TEMPERATURE || (params.top_p as f32) <= 0.0 {
             Sampling::ArgMax
         } else if params.top_p < 1.0 {
             Sampling::TopP {

@@ -265,6 +265,26 @@ fn loglikelihood_is_batch_independent_and_splits_like_lm_eval() {
 /// A top-p that rounds to zero in f32 (found by the fuzzer: `top_p: 5e-324` crashed the
 /// scheduler) keeps the likeliest token: it decodes greedily.
 #[test]
+fn a_vanishing_temperature_decodes_greedily() {
+    // Found by the API fuzzer: a temperature of 2.2e-311 made the sampler fail.
+    let engine = engine("hrm-text");
+    let prompts: Vec<String> = PROMPTS.iter().map(|s| s.to_string()).collect();
+    for temperature in [2.225073858507e-311, 1e-40, 1e-7] {
+        let tiny = GenerateParams {
+            max_tokens: 8,
+            temperature,
+            seed: Some(3),
+            ..GenerateParams::default()
+        };
+        assert_eq!(
+            engine.generate(&prompts, &tiny, 4).unwrap(),
+            engine.generate(&prompts, &greedy(8), 4).unwrap(),
+            "temperature {temperature}"
+        );
+    }
+}
+
+#[test]
 fn a_vanishing_top_p_decodes_greedily() {
     let engine = engine("hrm-text");
     let prompts: Vec<String> = PROMPTS.iter().map(|s| s.to_string()).collect();
