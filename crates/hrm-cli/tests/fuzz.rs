@@ -9,9 +9,8 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::Duration;
-use support::{Process, free_port, python_venv, repo};
+use std::process::Command;
+use support::{free_port, python_venv, repo, start};
 
 /// Requests per route and phase.
 const EXAMPLES: &str = "50";
@@ -27,31 +26,6 @@ fn schemathesis() -> PathBuf {
 
 fn hrm() -> Command {
     Command::new(env!("CARGO_BIN_EXE_hrm"))
-}
-
-/// Starts `command` with its log in `log`, and waits until `url` answers 200.
-async fn start(mut command: Command, log: &Path, url: &str) -> Process {
-    let child = command
-        .env("HRM_LOG", "info,sqlx=warn")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut process = Process(child);
-    for _ in 0..600 {
-        if let Ok(response) = reqwest::get(url).await
-            && response.status() == 200
-        {
-            return process;
-        }
-        assert!(
-            process.0.try_wait().unwrap().is_none(),
-            "the server exited:\n{}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("{url} never answered");
 }
 
 /// Runs schemathesis on `base`'s `/openapi.json`; panics with its report on a failure.

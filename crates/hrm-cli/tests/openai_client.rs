@@ -6,40 +6,9 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::Duration;
-use support::{Process, free_port, python_venv, repo, smollm2_gguf};
-
-/// `hrm serve` on `gguf`, ready; its log goes to `log`.
-async fn serve(gguf: &Path, log: &Path) -> (Process, String) {
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let child = Command::new(env!("CARGO_BIN_EXE_hrm"))
-        .args(["serve", "--host", "127.0.0.1", "--port", &port.to_string()])
-        .arg("--model-path")
-        .arg(gguf)
-        .args(["--device", "cpu", "--max-batch-size", "8"])
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut server = Process(child);
-    for _ in 0..600 {
-        if let Ok(r) = reqwest::get(format!("{base}/readyz")).await
-            && r.status() == 200
-        {
-            return (server, base);
-        }
-        assert!(
-            server.0.try_wait().unwrap().is_none(),
-            "hrm serve exited:\n{}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("hrm serve never became ready");
-}
+use std::path::PathBuf;
+use std::process::Command;
+use support::{free_port, python_venv, repo, smollm2_gguf, start};
 
 /// Runs `script BASE_URL GGUF` with `python` against a fresh server on the SmolLM2 GGUF; fails
 /// with both sides' output.
@@ -47,7 +16,15 @@ async fn check(python: PathBuf, script: &str) {
     let gguf = smollm2_gguf();
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("serve.log");
-    let (server, base) = serve(&gguf, &log).await;
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut command = Command::new(env!("CARGO_BIN_EXE_hrm"));
+    command
+        .args(["serve", "--host", "127.0.0.1", "--port", &port.to_string()])
+        .arg("--model-path")
+        .arg(&gguf)
+        .args(["--device", "cpu", "--max-batch-size", "8"]);
+    let server = start(command, &log, &format!("{base}/readyz")).await;
     let output = Command::new(python)
         .arg(repo().join(script))
         .arg(&base)

@@ -402,6 +402,18 @@ mod tests {
         .is_ok()
     }
 
+    /// A connection that has been answered `GET /` and is kept alive.
+    async fn served_and_kept_alive(addr: SocketAddr) -> TcpStream {
+        let mut conn = TcpStream::connect(addr).await.unwrap();
+        conn.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; 512];
+        let n = conn.read(&mut buf).await.unwrap();
+        assert!(String::from_utf8_lossy(&buf[..n]).contains("hello"));
+        conn
+    }
+
     #[tokio::test]
     async fn half_sent_headers_are_cut_off_at_the_header_timeout() {
         let server = start(limits(1, 5, 16, 5)).await;
@@ -417,13 +429,7 @@ mod tests {
     #[tokio::test]
     async fn an_idle_kept_alive_connection_is_closed() {
         let server = start(limits(1, 5, 16, 5)).await;
-        let mut conn = TcpStream::connect(server.addr).await.unwrap();
-        conn.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
-        let mut buf = vec![0u8; 512];
-        let n = conn.read(&mut buf).await.unwrap();
-        assert!(String::from_utf8_lossy(&buf[..n]).contains("hello"));
+        let mut conn = served_and_kept_alive(server.addr).await;
         assert!(closed_within(&mut conn, Duration::from_secs(5)).await);
     }
 
@@ -481,13 +487,7 @@ mod tests {
             slow.push(conn);
         }
         // A kept-alive connection that has been served and sits idle.
-        let mut kept = TcpStream::connect(server.addr).await.unwrap();
-        kept.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
-        let mut buf = vec![0u8; 512];
-        let n = kept.read(&mut buf).await.unwrap();
-        assert!(String::from_utf8_lossy(&buf[..n]).contains("hello"));
+        let _kept = served_and_kept_alive(server.addr).await;
         let started = Instant::now();
         server.stop.take().unwrap().send(()).unwrap();
         server.done.await.unwrap().unwrap();

@@ -26,7 +26,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::routes::{ModelRouteErrors, Usage, budgeted_ids, generate_all, ready, scheduler_gone};
 use crate::scheduler::GenEvent;
-use crate::validation::{ChatRequest, CompletionRequest};
+use crate::validation::{ChatRequest, CompletionRequest, Generation};
 use crate::{AppState, Ready};
 
 /// OpenAI's completions: several prompts (text or token ids), `n` samples each, `echo` and
@@ -40,12 +40,9 @@ pub async fn completions(
     State(state): State<AppState>,
     JsonBody(request): JsonBody<CompletionRequest>,
 ) -> Result<Response, ApiError> {
-    let model = request.model.clone();
+    let model = request.fields.model.clone();
     let mut request = request.validate(&state.limits)?;
-    let ready = ready(&state)?;
-    check_model(&ready.engine, model.as_deref())?;
-    let prompts = budgeted_ids(&state, ready, &mut request).await?;
-    let count = prompts.len();
+    let (ready, prompts) = admit(&state, model.as_deref(), &mut request).await?;
     let chunks = Chunks::new(&ready.engine, Route::Completion);
     if let Some(stream) = &request.stream {
         let opening = if request.echo {
@@ -62,11 +59,10 @@ pub async fn completions(
         } else {
             Vec::new()
         };
-        let events = ready
-            .scheduler
-            .generate(prompts, request.params, true)
-            .await?;
-        return Ok(chunks.stream(events, count, opening, stream.include_usage));
+        let include_usage = stream.include_usage;
+        return chunks
+            .stream(ready, prompts, request.params, opening, include_usage)
+            .await;
     }
     let params = request.params;
     let generations = if params.max_tokens == 0 {
@@ -141,19 +137,15 @@ pub async fn chat_completions(
     State(state): State<AppState>,
     JsonBody(request): JsonBody<ChatRequest>,
 ) -> Result<Response, ApiError> {
-    let model = request.model.clone();
+    let model = request.fields.model.clone();
     let mut request = request.validate(&state.limits)?;
-    let ready = ready(&state)?;
-    check_model(&ready.engine, model.as_deref())?;
-    let prompts = budgeted_ids(&state, ready, &mut request).await?;
-    let count = prompts.len();
+    let (ready, prompts) = admit(&state, model.as_deref(), &mut request).await?;
     let chunks = Chunks::new(&ready.engine, Route::Chat);
     if let Some(stream) = &request.stream {
-        let events = ready
-            .scheduler
-            .generate(prompts, request.params, true)
-            .await?;
-        return Ok(chunks.stream(events, count, Vec::new(), stream.include_usage));
+        let include_usage = stream.include_usage;
+        return chunks
+            .stream(ready, prompts, request.params, Vec::new(), include_usage)
+            .await;
     }
     let generations = generate_all(ready, prompts.clone(), request.params).await?;
     let scores = match request.logprobs {
@@ -180,19 +172,28 @@ pub async fn chat_completions(
     .map_err(ApiError::internal)
 }
 
-/// 404 unless `model` is absent or names the served model.
-fn check_model(engine: &Engine, model: Option<&str>) -> Result<(), ApiError> {
-    match model {
-        Some(model) if model != engine.name() => Err(ApiError::not_found(
+/// The loaded model, 404 unless the request's `model` is absent or names it, and the request's
+/// prompts as token ids (`n` copies of each) within its budget.
+async fn admit<'s>(
+    state: &'s AppState,
+    model: Option<&str>,
+    request: &mut Generation,
+) -> Result<(&'s Ready, Vec<Vec<u32>>), ApiError> {
+    let ready = ready(state)?;
+    let served = ready.engine.name();
+    if let Some(model) = model
+        && model != served
+    {
+        return Err(ApiError::not_found(
             "model_not_found",
             format!(
-                "model {model:?} is not served here; this server serves {:?} (GET /v1/models)",
-                engine.name()
+                "model {model:?} is not served here; this server serves {served:?} (GET /v1/models)"
             ),
         )
-        .with_param("model")),
-        _ => Ok(()),
+        .with_param("model"));
     }
+    let prompts = budgeted_ids(state, ready, request).await?;
+    Ok((ready, prompts))
 }
 
 #[derive(Clone, Copy)]
@@ -287,18 +288,22 @@ impl Chunks {
         }
     }
 
-    /// Server-sent events of a generation of `count` choices: `opening[i]` first for choice `i`
-    /// (echoed prompts), then its text as it is decoded and a chunk with its finish reason;
-    /// then, with `include_usage`, a chunk with no choices and the usage; then `data: [DONE]`.
+    /// Server-sent events of the generation of `prompts`, a choice each: `opening[i]` first for
+    /// choice `i` (echoed prompts), then its text as it is decoded and a chunk with its finish
+    /// reason; then, with `include_usage`, a chunk with no choices and the usage; then
+    /// `data: [DONE]`.
     /// A fault ends the stream with `data: {"error": ...}` (as vLLM does) and `[DONE]`. Dropping
     /// the stream, when the client leaves, cancels the generation.
-    fn stream(
+    async fn stream(
         self,
-        events: UnboundedReceiver<GenEvent>,
-        count: usize,
+        ready: &Ready,
+        prompts: Vec<Vec<u32>>,
+        params: hrm_model::GenerateParams,
         opening: Vec<String>,
         include_usage: bool,
-    ) -> Response {
+    ) -> Result<Response, ApiError> {
+        let count = prompts.len();
+        let events = ready.scheduler.generate(prompts, params, true).await?;
         let mut progress = Progress {
             chunks: self,
             events,
@@ -328,9 +333,9 @@ impl Chunks {
                 }
             }
         });
-        Sse::new(stream)
+        Ok(Sse::new(stream)
             .keep_alive(KeepAlive::default())
-            .into_response()
+            .into_response())
     }
 }
 
@@ -430,38 +435,58 @@ async fn score_choices(
 ) -> Result<Vec<ChoiceScores>, ApiError> {
     let prefix_lm = ready.engine.info().prefix_lm;
     let mut rows = Vec::new();
-    // Per choice: its tokens, its prompt's length and how many adjacent rows score it.
-    let mut plans = Vec::new();
-    for (prompt, g) in prompts.iter().zip(generations) {
+    /// A choice: its tokens, its prompt's length, and the rows that score its echoed prompt and
+    /// its generated tokens. The `n` samples of a prompt sit side by side and share one echo row.
+    struct Plan {
+        tokens: Vec<u32>,
+        prompt_len: usize,
+        echo_row: Option<usize>,
+        generated_row: Option<usize>,
+    }
+    let mut plans: Vec<Plan> = Vec::new();
+    for (i, (prompt, g)) in prompts.iter().zip(generations).enumerate() {
         let tokens: Vec<u32> = prompt.iter().chain(&g.token_ids).copied().collect();
-        let first_row = rows.len();
-        if echo && prompt.len() > 1 {
+        let echo_row = if !echo || prompt.len() < 2 {
+            None
+        } else if i > 0 && prompts[i - 1] == *prompt {
+            plans[i - 1].echo_row
+        } else {
             rows.push(ScoreRow {
                 tokens: prompt.clone(),
                 score_from: 1,
                 block: 0,
             });
-        }
-        if !g.token_ids.is_empty() {
+            Some(rows.len() - 1)
+        };
+        let generated_row = (!g.token_ids.is_empty()).then(|| {
             rows.push(ScoreRow {
                 block: if prefix_lm { prompt.len() } else { 0 },
                 tokens: tokens.clone(),
                 score_from: prompt.len(),
             });
-        }
-        plans.push((tokens, prompt.len(), rows.len() - first_row));
+            rows.len() - 1
+        });
+        plans.push(Plan {
+            tokens,
+            prompt_len: prompt.len(),
+            echo_row,
+            generated_row,
+        });
     }
-    let mut scored = ready.scheduler.score(rows, top_n).await?.into_iter();
+    let scored = ready.scheduler.score(rows, top_n).await?;
     Ok(plans
         .into_iter()
-        .map(|(tokens, prompt_len, row_count)| {
-            let from = if echo { 1 } else { prompt_len };
+        .map(|plan| {
+            let from = if echo { 1 } else { plan.prompt_len };
             let mut out: ChoiceScores = Vec::new();
-            if echo && !tokens.is_empty() {
-                out.push((tokens[0], None));
+            if echo && !plan.tokens.is_empty() {
+                out.push((plan.tokens[0], None));
             }
-            let scores = (&mut scored).take(row_count).flatten();
-            out.extend(tokens.iter().skip(from).copied().zip(scores.map(Some)));
+            let scores = [plan.echo_row, plan.generated_row]
+                .into_iter()
+                .flatten()
+                .flat_map(|row| scored[row].iter().cloned());
+            out.extend(plan.tokens.iter().skip(from).copied().zip(scores.map(Some)));
             out
         })
         .collect())

@@ -112,9 +112,6 @@ pub enum StopInput {
 /// Body of `POST /v1/completions` (OpenAI's fields that this server implements).
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct CompletionRequest {
-    /// Must name the served model when given (`GET /v1/models`).
-    #[serde(default)]
-    pub model: Option<String>,
     pub prompt: PromptInput,
     /// Default 16, capped at `--max-new-tokens`.
     #[serde(default)]
@@ -127,20 +124,12 @@ pub struct CompletionRequest {
     #[serde(default)]
     pub echo: bool,
     #[serde(flatten)]
-    pub sampling: OpenAiSampling,
-    /// Any other field: a neutral value of a field listed in docs/api.md is accepted, anything
-    /// else is answered 400 naming it.
-    #[serde(flatten)]
-    #[schema(ignore)]
-    pub other: BTreeMap<String, Value>,
+    pub fields: OpenAiFields,
 }
 
 /// Body of `POST /v1/chat/completions` (OpenAI's fields that this server implements).
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct ChatRequest {
-    /// Must name the served model when given (`GET /v1/models`).
-    #[serde(default)]
-    pub model: Option<String>,
     /// At least one; rendered with the model's chat template.
     #[schema(min_items = 1)]
     pub messages: Vec<ChatMessageInput>,
@@ -159,17 +148,15 @@ pub struct ChatRequest {
     #[schema(minimum = 0, maximum = 20)]
     pub top_logprobs: Option<i64>,
     #[serde(flatten)]
-    pub sampling: OpenAiSampling,
-    /// Any other field: a neutral value of a field listed in docs/api.md is accepted, anything
-    /// else is answered 400 naming it.
-    #[serde(flatten)]
-    #[schema(ignore)]
-    pub other: BTreeMap<String, Value>,
+    pub fields: OpenAiFields,
 }
 
-/// The sampling fields both OpenAI routes share.
+/// The fields both OpenAI routes share.
 #[derive(Debug, Deserialize, ToSchema)]
-pub struct OpenAiSampling {
+pub struct OpenAiFields {
+    /// Must name the served model when given (`GET /v1/models`).
+    #[serde(default)]
+    pub model: Option<String>,
     /// 0 to 2. Default 1.
     #[serde(default)]
     #[schema(minimum = 0.0, maximum = 2.0)]
@@ -192,6 +179,11 @@ pub struct OpenAiSampling {
     pub stream: bool,
     #[serde(default)]
     pub stream_options: Option<StreamOptions>,
+    /// Any other field: a neutral value of a field listed in docs/api.md is accepted, anything
+    /// else is answered 400 naming it.
+    #[serde(flatten)]
+    #[schema(ignore)]
+    pub other: BTreeMap<String, Value>,
 }
 
 /// `stream_options`.
@@ -322,13 +314,19 @@ fn count(field: &str, n: usize, limits: &Limits) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// `max_tokens`: a non-negative integer, default `default`, capped at the server maximum.
-pub fn max_tokens(value: Option<i64>, default: i64, limits: &Limits) -> Result<usize, ApiError> {
+/// `max_tokens` (or the `field` that stands for it): a non-negative integer, default
+/// `default`, capped at the server maximum.
+pub fn max_tokens(
+    field: &str,
+    value: Option<i64>,
+    default: i64,
+    limits: &Limits,
+) -> Result<usize, ApiError> {
     let value = value.unwrap_or(default);
     if value < 0 {
         return Err(invalid(
-            "max_tokens",
-            format!("max_tokens must be 0 or more, got {value}"),
+            field,
+            format!("{field} must be 0 or more, got {value}"),
         ));
     }
     Ok((value as usize).min(limits.max_new_tokens))
@@ -388,14 +386,14 @@ pub fn stop(value: Option<Vec<String>>, limits: &Limits) -> Result<Vec<String>, 
     Ok(stop)
 }
 
-/// `logprobs`: 0 to [`MAX_LOGPROBS`] alternatives.
-pub fn logprobs(value: Option<i64>) -> Result<Option<usize>, ApiError> {
+/// `logprobs` (or the `field` that stands for it): 0 to [`MAX_LOGPROBS`] alternatives.
+pub fn logprobs(field: &str, value: Option<i64>) -> Result<Option<usize>, ApiError> {
     match value {
         None => Ok(None),
         Some(n) if (0..=MAX_LOGPROBS as i64).contains(&n) => Ok(Some(n as usize)),
         Some(n) => Err(invalid(
-            "logprobs",
-            format!("logprobs must be between 0 and {MAX_LOGPROBS}, got {n}"),
+            field,
+            format!("{field} must be between 0 and {MAX_LOGPROBS}, got {n}"),
         )),
     }
 }
@@ -405,7 +403,7 @@ impl GenerateRequest {
     pub fn validate(self, limits: &Limits) -> Result<Generation, ApiError> {
         prompts("prompts", &self.prompts, limits)?;
         let params = GenerateParams {
-            max_tokens: max_tokens(self.max_tokens, DEFAULT_MAX_TOKENS, limits)?,
+            max_tokens: max_tokens("max_tokens", self.max_tokens, DEFAULT_MAX_TOKENS, limits)?,
             temperature: temperature(self.temperature, DEFAULT_TEMPERATURE)?,
             top_p: top_p(self.top_p)?,
             seed: self.seed,
@@ -426,7 +424,7 @@ impl CompletionRequest {
     /// Checks every field, with OpenAI's defaults for this route (16 tokens, temperature 1).
     /// The model name is checked by the handler, which knows the model.
     pub fn validate(self, limits: &Limits) -> Result<Generation, ApiError> {
-        unsupported(&self.other, COMPLETION_NEUTRAL, self.sampling.n)?;
+        self.fields.supported(COMPLETION_NEUTRAL)?;
         let prompts = match self.prompt {
             PromptInput::Text(text) => Prompts::Texts(vec![text]),
             PromptInput::Texts(texts) => Prompts::Texts(texts),
@@ -434,15 +432,9 @@ impl CompletionRequest {
             PromptInput::IdLists(lists) => Prompts::Ids(lists),
         };
         count("prompt", prompts.len(), limits)?;
-        let logprobs = logprobs(self.logprobs)?;
-        if self.sampling.stream && logprobs.is_some() {
-            return Err(invalid(
-                "logprobs",
-                "logprobs cannot be streamed by this server; ask without stream",
-            ));
-        }
-        let max_tokens = max_tokens(self.max_tokens, 16, limits)?;
-        self.sampling
+        let logprobs = logprobs("logprobs", self.logprobs)?;
+        let max_tokens = max_tokens("max_tokens", self.max_tokens, 16, limits)?;
+        self.fields
             .into_generation(prompts, max_tokens, logprobs, self.echo, limits)
     }
 }
@@ -451,7 +443,7 @@ impl ChatRequest {
     /// Checks every field, with OpenAI's defaults for this route (up to `--max-new-tokens`,
     /// temperature 1). The model name is checked by the handler, which knows the model.
     pub fn validate(self, limits: &Limits) -> Result<Generation, ApiError> {
-        unsupported(&self.other, CHAT_NEUTRAL, self.sampling.n)?;
+        self.fields.supported(CHAT_NEUTRAL)?;
         if self.messages.is_empty() {
             return Err(invalid(
                 "messages",
@@ -469,36 +461,20 @@ impl ChatRequest {
             (false, Some(_)) => {
                 return Err(invalid("top_logprobs", "top_logprobs needs logprobs: true"));
             }
-            (true, top) => logprobs(Some(top.unwrap_or(0))).map_err(|_| {
-                invalid(
-                    "top_logprobs",
-                    format!("top_logprobs must be between 0 and {MAX_LOGPROBS}"),
-                )
-            })?,
+            (true, top) => logprobs("top_logprobs", Some(top.unwrap_or(0)))?,
         };
-        if self.sampling.stream && logprobs.is_some() {
-            return Err(invalid(
-                "logprobs",
-                "logprobs cannot be streamed by this server; ask without stream",
-            ));
-        }
-        let max_tokens = match (self.max_tokens, self.max_completion_tokens) {
+        let (field, value) = match (self.max_tokens, self.max_completion_tokens) {
             (Some(_), Some(_)) => {
                 return Err(invalid(
                     "max_completion_tokens",
                     "give max_tokens or max_completion_tokens, not both",
                 ));
             }
-            (Some(n), None) => max_tokens(Some(n), 0, limits)?,
-            (None, Some(n)) => max_tokens(Some(n), 0, limits).map_err(|e| {
-                invalid(
-                    "max_completion_tokens",
-                    e.message.replace("max_tokens", "max_completion_tokens"),
-                )
-            })?,
-            (None, None) => limits.max_new_tokens,
+            (None, Some(n)) => ("max_completion_tokens", Some(n)),
+            (value, None) => ("max_tokens", value),
         };
-        self.sampling
+        let max_tokens = max_tokens(field, value, limits.max_new_tokens as i64, limits)?;
+        self.fields
             .into_generation(Prompts::Chat(messages), max_tokens, logprobs, false, limits)
     }
 }
@@ -556,7 +532,35 @@ impl ChatMessageInput {
     }
 }
 
-impl OpenAiSampling {
+impl OpenAiFields {
+    /// 400 `unsupported_field` for the first other field that is not implemented with the
+    /// value given; `null` counts as absent.
+    fn supported(&self, neutral: &[(&str, Neutral)]) -> Result<(), ApiError> {
+        for (field, value) in &self.other {
+            if value.is_null() {
+                continue;
+            }
+            let error = |message: String| {
+                Err(ApiError::invalid("unsupported_field", message).with_param(field.as_str()))
+            };
+            match neutral.iter().find(|(name, _)| name == field) {
+                Some((_, rule)) if rule.holds(value, self.n) => {}
+                Some((_, rule)) => {
+                    return error(format!(
+                        "{field} is not supported by this server; only {} is accepted (docs/api.md)",
+                        rule.expected()
+                    ));
+                }
+                None => {
+                    return error(format!(
+                        "{field} is not a field this server implements (docs/api.md lists them)"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn into_generation(
         self,
         prompts: Prompts,
@@ -566,6 +570,12 @@ impl OpenAiSampling {
         limits: &Limits,
     ) -> Result<Generation, ApiError> {
         let n = samples(self.n, prompts.len(), limits)?;
+        if self.stream && logprobs.is_some() {
+            return Err(invalid(
+                "logprobs",
+                "logprobs cannot be streamed by this server; ask without stream",
+            ));
+        }
         if self.stream_options.is_some() && !self.stream {
             return Err(invalid(
                 "stream_options",
@@ -678,38 +688,6 @@ impl Neutral {
             Neutral::Any => "anything",
         }
     }
-}
-
-/// 400 `unsupported_field` for the first field that is not implemented with the value given;
-/// `null` counts as absent.
-fn unsupported(
-    other: &BTreeMap<String, Value>,
-    neutral: &[(&str, Neutral)],
-    n: Option<i64>,
-) -> Result<(), ApiError> {
-    for (field, value) in other {
-        if value.is_null() {
-            continue;
-        }
-        let error = |message: String| {
-            Err(ApiError::invalid("unsupported_field", message).with_param(field.as_str()))
-        };
-        match neutral.iter().find(|(name, _)| name == field) {
-            Some((_, rule)) if rule.holds(value, n) => {}
-            Some((_, rule)) => {
-                return error(format!(
-                    "{field} is not supported by this server; only {} is accepted (docs/api.md)",
-                    rule.expected()
-                ));
-            }
-            None => {
-                return error(format!(
-                    "{field} is not a field this server implements (docs/api.md lists them)"
-                ));
-            }
-        }
-    }
-    Ok(())
 }
 
 impl Generation {

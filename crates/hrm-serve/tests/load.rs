@@ -188,13 +188,7 @@ async fn a_full_token_budget_answers_429_with_retry_after() {
     // tokens) is turned away at once.
     let room = 20_000 - held;
     let body = json!({"prompts": [text(10, 1)], "max_tokens": room});
-    let refused = server
-        .client
-        .post(format!("{}/generate", server.base))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let refused = server.post_response("/generate", &body).await;
     assert_eq!(refused.status(), 429);
     let retry: u64 = refused.headers()["retry-after"]
         .to_str()
@@ -311,13 +305,7 @@ async fn a_scheduler_that_keeps_panicking_gives_up() {
         .wait_for_metric("hrm_scheduler_restarts_total", 4.0)
         .await;
     assert!(GAVE_UP.load(std::sync::atomic::Ordering::SeqCst));
-    let readyz = server
-        .client
-        .get(format!("{}/readyz", server.base))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(readyz.status(), 503);
+    assert_eq!(server.get("/readyz").await.status(), 503);
     let (status, body) = server
         .post("/generate", json!({"prompts": ["w1"], "max_tokens": 1}))
         .await;

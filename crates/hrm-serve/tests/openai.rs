@@ -11,13 +11,7 @@ use serde_json::{Value, json};
 
 /// The `data:` payloads of a server-sent event stream, `[DONE]` included.
 async fn stream(server: &Server, path: &str, body: Value) -> Vec<String> {
-    let r = server
-        .client
-        .post(format!("{}{path}", server.base))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
+    let r = server.post_response(path, &body).await;
     assert_eq!(r.status(), 200);
     assert_eq!(
         r.headers()["content-type"].to_str().unwrap(),
@@ -145,6 +139,28 @@ async fn n_samples_are_the_seeded_samples_of_repeated_prompts() {
         assert_eq!(tokens.len(), logprobs.len());
         assert!(logprobs[0].is_null() && logprobs[1..].iter().all(|l| l.as_f64().unwrap() <= 0.0));
     }
+    // The samples share their prompt, so its echoed log-probabilities are the same.
+    let per_prompt = body["usage"]["prompt_tokens"].as_u64().unwrap() as usize / 2;
+    let prompt_part =
+        |c: &Value| c["logprobs"]["token_logprobs"].as_array().unwrap()[..per_prompt].to_vec();
+    assert!(per_prompt >= 2);
+    assert_eq!(
+        prompt_part(&body["choices"][0]),
+        prompt_part(&body["choices"][1])
+    );
+
+    // n multiplies the request's budget: 200 samples of a 2000-token prompt are too many tokens.
+    let (status, body) = server
+        .post(
+            "/v1/completions",
+            json!({"prompt": [vec![5u32; 2000]], "n": 200, "max_tokens": 1}),
+        )
+        .await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (413, Some("too_many_tokens")),
+        "{body}"
+    );
     server.stop().await;
 }
 

@@ -2,8 +2,9 @@
 //! killed when the test ends, however it ends, and the Python tools some tests drive.
 #![allow(dead_code)]
 
-use std::path::PathBuf;
-use std::process::{Child, Command};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -20,6 +21,32 @@ impl Drop for Process {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// Starts `command` with its log in `log`, and waits until `url` answers 200; panics with the
+/// log if the process exits first.
+pub async fn start(mut command: Command, log: &Path, url: &str) -> Process {
+    let child = command
+        .env("HRM_LOG", "info,sqlx=warn")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut process = Process(child);
+    for _ in 0..600 {
+        if let Ok(response) = reqwest::get(url).await
+            && response.status() == 200
+        {
+            return process;
+        }
+        assert!(
+            process.0.try_wait().unwrap().is_none(),
+            "the server exited:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{url} never answered");
 }
 
 pub fn repo() -> PathBuf {

@@ -96,14 +96,28 @@ impl Server {
         panic!("the server never became ready");
     }
 
-    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
-        let r = self
-            .client
-            .post(format!("{}{path}", self.base))
-            .json(&body)
+    /// The response to `GET path`.
+    pub async fn get(&self, path: &str) -> reqwest::Response {
+        self.client
+            .get(format!("{}{path}", self.base))
             .send()
             .await
-            .unwrap();
+            .unwrap()
+    }
+
+    /// The response to `POST path` with a JSON body.
+    pub async fn post_response(&self, path: &str, body: &Value) -> reqwest::Response {
+        self.client
+            .post(format!("{}{path}", self.base))
+            .json(body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// The status and JSON body of `POST path`.
+    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self.post_response(path, &body).await;
         (r.status().as_u16(), r.json().await.unwrap())
     }
 
@@ -129,13 +143,7 @@ impl Server {
     /// binary is its own process, so its metrics are its own.
     /// The `/metrics` page.
     pub async fn metrics_text(&self) -> String {
-        let r = self
-            .client
-            .get(format!("{}/metrics", self.base))
-            .send()
-            .await
-            .unwrap();
-        r.text().await.unwrap()
+        self.get("/metrics").await.text().await.unwrap()
     }
 
     pub async fn metric(&self, name: &str) -> f64 {
@@ -148,13 +156,7 @@ impl Server {
 
     /// Tokens of admitted, unfinished work on this server (from `/readyz`).
     pub async fn queued_tokens(&self) -> u64 {
-        let r = self
-            .client
-            .get(format!("{}/readyz", self.base))
-            .send()
-            .await
-            .unwrap();
-        let body: Value = r.json().await.unwrap();
+        let body: Value = self.get("/readyz").await.json().await.unwrap();
         body["queued_tokens"].as_u64().unwrap_or(0)
     }
 
