@@ -54,14 +54,22 @@ pub fn repo() -> PathBuf {
 }
 
 /// `bin/{executable}` of a virtual environment `target/{name}` with `requirements` (a file in
-/// the repository) installed from PyPI; it is made on first use. A missing `python3` or a
+/// the repository) installed from PyPI; it is made on first use. Tests of one binary run in
+/// parallel, so one makes it while the others wait, and it counts as made only once its marker
+/// file is written: a half-made one (an interrupted run) is made again. A missing `python3` or a
 /// failed install panics with how to do it by hand, never skips.
 pub fn python_venv(name: &str, requirements: &str, executable: &str) -> PathBuf {
+    static MAKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _making = MAKING
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
     let venv = repo().join("target").join(name);
     let tool = venv.join("bin").join(executable);
-    if tool.exists() {
+    let made = venv.join(".installed");
+    if made.exists() {
         return tool;
     }
+    let _ = std::fs::remove_dir_all(&venv);
     let status = Command::new("python3")
         .args(["-m", "venv"])
         .arg(&venv)
@@ -77,14 +85,12 @@ pub fn python_venv(name: &str, requirements: &str, executable: &str) -> PathBuf 
         .arg(repo().join(requirements))
         .status()
         .unwrap();
-    if !status.success() {
-        // A half-made environment would be taken for a finished one next time.
-        let _ = std::fs::remove_dir_all(&venv);
-        panic!(
-            "installing {requirements} from PyPI into {} failed; install it by hand (pip install -r {requirements})",
-            venv.display()
-        );
-    }
+    assert!(
+        status.success(),
+        "installing {requirements} from PyPI into {} failed; install it by hand (pip install -r {requirements})",
+        venv.display()
+    );
+    std::fs::write(&made, requirements).unwrap();
     tool
 }
 
