@@ -4,7 +4,7 @@
     python3 benches/network_bench.py --hrm target/release/hrm [--batches 48] [--only parity]
 
 Every run starts a fresh `hrm hub serve` (embedded defaults, in a temporary directory) on the
-same slice of the bundled corpus, initialised with `hrm hub init --config ... --seed 0`, which
+same slice of the bundled corpus, initialised with `hrm hub init --model-config ... --seed 0`, which
 is the same initialisation as `hrm train --seed 0`. It reports, as one JSON object:
   * throughput   tokens/s of one `hrm worker` (its "trained batch" lines) next to `hrm train`
                  on the same model and step shape (rows per optimiser step, sequence length)
@@ -59,7 +59,7 @@ class Network:
     def __init__(self, args, work, hub_flags, eval_windows=0):
         self.args, self.work = args, work
         self.data = os.path.join(work, "hub")
-        run([args.hrm, "hub", "init", "--config", args.config, "--seed", "0", "--data-dir", self.data])
+        run([args.hrm, "hub", "init", "--model-config", args.config, "--seed", "0", "--data-dir", self.data])
         run([args.hrm, "hub", "ingest", "--corpus", args.train_slice, "--valid", args.valid,
              "--tokenizer", args.tokenizer, "--batch-size", str(args.batch_size), "--custom-size",
              "--seq-len", str(args.seq_len), "--data-dir", self.data])

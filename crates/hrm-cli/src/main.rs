@@ -13,7 +13,7 @@ mod worker;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{ArgMatches, Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use hrm_model::DeviceRequest;
 
 #[derive(Parser)]
@@ -118,13 +118,25 @@ fn limit_malloc_arenas() {
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
 fn limit_malloc_arenas() {}
 
+/// The matches of the subcommand at `path`, which clap has already checked is the one given.
+fn subcommand<'a>(matches: &'a ArgMatches, path: &[&str]) -> &'a ArgMatches {
+    path.iter().fold(matches, |m, name| {
+        m.subcommand_matches(name)
+            .expect("the parsed command is on this path")
+    })
+}
+
 fn main() -> ExitCode {
     limit_malloc_arenas();
-    let cli = Cli::parse();
+    hrm_wire::install_tls_provider();
+    // The matches travel with the arguments: they tell a flag from a default when the settings
+    // file is layered in.
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let result = match cli.command {
-        Command::Serve(args) => serve::run(*args),
+        Command::Serve(args) => serve::run(*args, subcommand(&matches, &["serve"])),
         // The worker sets up its own logging: to a file under the terminal interface.
-        Command::Worker(args) => worker::run(*args),
+        Command::Worker(args) => worker::run(*args, subcommand(&matches, &["worker"])),
         command => {
             init_logging("info,sqlx=warn");
             match command {
@@ -133,7 +145,7 @@ fn main() -> ExitCode {
                 Command::Score(args) => generate::run_score(args),
                 Command::Train(args) => train::run_train(*args),
                 Command::Tokenizer(cmd) => train::run_tokenizer(cmd),
-                Command::Hub(cmd) => hub::run(cmd),
+                Command::Hub(cmd) => hub::run(cmd, subcommand(&matches, &["hub"])),
                 Command::Bench(cmd) => bench::run(cmd),
                 Command::Serve(_) | Command::Worker(_) => unreachable!("handled above"),
             }
@@ -145,5 +157,17 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// clap's own checks of every subcommand (unique names, groups that exist), which it runs
+    /// lazily, only for the subcommand a debug build is given.
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
     }
 }

@@ -1,17 +1,18 @@
 //! `hrm serve` (resolves the settings, then prints them, dry-runs a load, or serves) and
 //! `hrm ui` (the manual-test page on its own).
 
-use clap::Args;
+use clap::{ArgMatches, Args};
 use hrm_serve::{ServeArgs, ServeConfig};
 
-pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let config = ServeConfig::resolve(&args)?;
-    if args.print_config {
+pub fn run(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<()> {
+    let (print_config, dry_run) = (args.print_config, args.dry_run);
+    let config = ServeConfig::resolve(args, matches)?;
+    if print_config {
         print!("{}{}", environment_note(), config.to_yaml());
         return Ok(());
     }
     crate::init_logging(&config.log_level);
-    if args.dry_run {
+    if dry_run {
         let started = std::time::Instant::now();
         let loaded = hrm_serve::load_engine(&config)?;
         let engine = &loaded.engine;
@@ -92,9 +93,7 @@ pub fn run_ui(args: UiArgs) -> anyhow::Result<()> {
         let listener = tokio::net::TcpListener::bind(&addr).await?;
         tracing::info!(%addr, server = %args.server_url, "serving the manual-test page at /ui");
         axum::serve(listener, hrm_serve::ui::standalone(&args.server_url))
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
+            .with_graceful_shutdown(hrm_http::shutdown_signal())
             .await?;
         Ok(())
     })

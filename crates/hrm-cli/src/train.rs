@@ -16,9 +16,10 @@ use std::time::Instant;
 use anyhow::Context;
 use candle_core::{DType, Device};
 use clap::{Args, Subcommand};
+use hrm_model::ModelSpec;
 use hrm_model::tokenizer::{END_OF_TEXT, train_byte_level_bpe};
 use hrm_model::train::{
-    AdamWConfig, LrSchedule, ModelSpec, ScheduleKind, Trainer, corpus_tokens, evaluation_windows,
+    AdamWConfig, LrSchedule, ScheduleKind, Trainer, corpus_tokens, evaluation_windows,
     sample_windows, save_pretrained,
 };
 use indicatif::{ProgressBar, ProgressStyle};

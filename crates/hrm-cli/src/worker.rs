@@ -2,8 +2,8 @@
 //! `s`), or `--headless` for servers, which starts at once and prints structured log lines.
 
 use anyhow::{Context, Result};
-use clap::{Args, ValueEnum};
-use hrm_worker::config::{ConfigOverrides, default_config_path, load_or_create};
+use clap::{ArgMatches, Args, ValueEnum};
+use hrm_worker::config::{ConfigOverrides, default_config_path, load};
 use hrm_worker::resources::ResourceArgs;
 use hrm_worker::tui::Command;
 use hrm_worker::{SessionEnd, Settings, Status, Worker, network};
@@ -50,20 +50,20 @@ enum LogFormat {
     Json,
 }
 
-pub fn run(args: WorkerArgs) -> Result<()> {
+pub fn run(args: WorkerArgs, matches: &ArgMatches) -> Result<()> {
     let config_path = args.config.clone().unwrap_or_else(default_config_path);
     init_logging(&args, &config_path)?;
     let first_run_url = args
         .overrides
-        .server_url
+        .server
+        .url
         .as_deref()
         .unwrap_or(DEFAULT_HUB_URL);
-    let loaded = load_or_create(&config_path, first_run_url)?;
+    let loaded = load(&config_path, first_run_url, &args.overrides, matches)?;
     if loaded.created {
         tracing::info!(path = %config_path.display(), "first run: wrote the configuration with a new API key (mode 0600)");
     }
-    let mut config = loaded.config;
-    args.overrides.apply(&mut config);
+    let config = loaded.config;
     config.validate()?;
     args.resources.validate()?;
     if !(args.retry_delay >= 0.0 && args.retry_delay.is_finite()) {
@@ -137,28 +137,13 @@ fn init_logging(args: &WorkerArgs, config_path: &std::path::Path) -> Result<()> 
     Ok(())
 }
 
-/// Ctrl-C or SIGTERM.
-async fn stop_signal() {
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-    }
-    #[cfg(not(unix))]
-    tokio::signal::ctrl_c().await.ok();
-}
-
 async fn headless(mut worker: Worker) -> Result<()> {
     let (stop, stopped) = watch::channel(false);
     tokio::spawn(async move {
-        stop_signal().await;
+        hrm_http::shutdown_signal().await;
         tracing::info!("stopping after the current batch (signal again to exit now)");
         stop.send_replace(true);
-        stop_signal().await;
+        hrm_http::shutdown_signal().await;
         tracing::warn!("exiting now; the batch in progress is lost");
         std::process::exit(130);
     });

@@ -26,6 +26,7 @@ async fn serve_fixture() -> (Process, String) {
         .unwrap();
     let server = Process(child);
     let url = format!("http://127.0.0.1:{port}");
+    hrm_wire::install_tls_provider();
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Ok(r) = reqwest::get(format!("{url}/readyz")).await

@@ -149,6 +149,7 @@ async fn the_hub_survives_schemathesis() {
     let server = start(command, &log, &format!("{base}/healthz")).await;
     // A registered worker's key, so that the routes behind it are reached too.
     let key = "fuzz-worker-key-0123456789abcdef0123456789";
+    hrm_wire::install_tls_provider();
     let registered = reqwest::Client::new()
         .post(format!("{base}/api/v1/auth/register"))
         .json(&serde_json::json!({"api_key": key, "username": "fuzzer"}))

@@ -61,6 +61,7 @@ impl Server {
         let url = format!("http://127.0.0.1:{port}");
         // Waiting for the process to bind its port; a dead process fails the test.
         let mut server = Self { child, url };
+        hrm_wire::install_tls_provider();
         for _ in 0..600 {
             if reqwest::get(format!("{}/healthz", server.url))
                 .await

@@ -150,7 +150,7 @@ fn prepare_hub(dir: &Path, data: &Path) {
     hrm(&[
         "hub",
         "init",
-        "--config",
+        "--model-config",
         config.to_str().unwrap(),
         "--data-dir",
         data_arg,
@@ -197,6 +197,7 @@ async fn start_hub(dir: &Path, data: &Path) -> (Process, String) {
             .spawn()
             .unwrap(),
     );
+    hrm_wire::install_tls_provider();
     until("the hub", Duration::from_secs(60), async || {
         reqwest::get(format!("{url}/healthz"))
             .await

@@ -40,7 +40,7 @@ use tower::ServiceExt;
 use tower_http::timeout::{RequestBodyDeadlineLayer, RequestBodyTimeoutLayer};
 
 /// The connection flags every server takes.
-#[derive(Args, Debug, Clone, Default, serde::Deserialize)]
+#[derive(Args, Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct ConnectionArgs {
     /// Seconds a client has to send a request's headers; a kept-alive connection idle for this
     /// long is closed (default 15).
@@ -84,17 +84,6 @@ impl Default for ConnectionLimits {
 }
 
 impl ConnectionArgs {
-    /// These flags over `base` (another layer of settings, or the defaults).
-    pub fn over(&self, base: &ConnectionArgs) -> ConnectionArgs {
-        ConnectionArgs {
-            header_timeout: self.header_timeout.or(base.header_timeout),
-            body_timeout: self.body_timeout.or(base.body_timeout),
-            body_deadline: self.body_deadline.or(base.body_deadline),
-            max_connections: self.max_connections.or(base.max_connections),
-            shutdown_timeout: self.shutdown_timeout.or(base.shutdown_timeout),
-        }
-    }
-
     pub fn limits(&self) -> anyhow::Result<ConnectionLimits> {
         let defaults = ConnectionLimits::default();
         let seconds = |value: Option<u64>, default: Duration, flag: &str| match value {
@@ -371,6 +360,7 @@ mod tests {
     }
 
     async fn start(limits: ConnectionLimits) -> Running {
+        hrm_wire::install_tls_provider();
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

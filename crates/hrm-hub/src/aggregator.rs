@@ -23,9 +23,10 @@ use crate::rules::{self, OuterSchedule, OuterState, RuleError, Update, l2_norm};
 use crate::store::updates::PendingUpdate;
 use crate::store::{self, versions::VersionRow};
 use crate::trust::{self, REPUTATION_AGGREGATED, REPUTATION_INVALID};
-use crate::versions::{self, LoadedVersion, checkpoint_key, optimizer_key, sha256_hex};
+use crate::versions::{self, LoadedVersion, checkpoint_key, optimizer_key};
 use anyhow::{Result, anyhow, bail};
 use bytes::Bytes;
+use hrm_wire::update::sha256_hex;
 use hrm_wire::update::{
     ParamSpec, Schema, decode_update, read_checkpoint, read_metadata, write_checkpoint,
 };

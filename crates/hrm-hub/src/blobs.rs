@@ -48,6 +48,7 @@ impl Blobs {
 
     /// An S3 bucket configured by the caller (tests point it at a local server).
     pub fn s3_with(builder: AmazonS3Builder, bucket: &str) -> Result<Self> {
+        hrm_wire::install_tls_provider();
         let s3 = Arc::new(
             builder
                 .build()

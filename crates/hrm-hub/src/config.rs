@@ -1,17 +1,23 @@
 //! The hub's settings: command-line flags, each with its environment variable (the
 //! specification's `DATABASE_URL`, `REDIS_URL`, `S3_BUCKET`, `AGGREGATION_INTERVAL` and
-//! `MIN_GRADIENTS_FOR_UPDATE`, and `HRM_HUB_*` for the rest).
+//! `MIN_GRADIENTS_FOR_UPDATE`, and `HRM_HUB_*` for the rest), over the `hub:` section of a YAML
+//! file (`--config`), over the defaults. The file's keys are the flags' names with
+//! underscores; `hrm` layers them with `hrm_settings`.
 
 use crate::rules::{OuterOptimizer, OuterSchedule, Rule};
 use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 use hrm_wire::TrainingPlan;
+use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 use std::time::Duration;
 
 /// Where the hub keeps its state.
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
 pub struct StorageArgs {
+    /// YAML file whose `hub:` section supplies settings (default: ./hrm.yaml if present).
+    #[arg(long, env = "HRM_HUB_CONFIG")]
+    pub config: Option<PathBuf>,
     /// Directory of the embedded defaults: `hub.db` (SQLite) and `objects/` (the object store).
     #[arg(long, env = "HRM_HUB_DATA_DIR", default_value = "hub-data")]
     pub data_dir: PathBuf,
@@ -41,7 +47,8 @@ impl StorageArgs {
     }
 }
 
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq)]
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum RuleName {
     Mean,
     Krum,
@@ -50,13 +57,15 @@ pub enum RuleName {
     Median,
 }
 
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq)]
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum OuterScheduleName {
     Constant,
     Cosine,
 }
 
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq)]
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum OuterName {
     Plain,
     Fedadam,
@@ -64,7 +73,7 @@ pub enum OuterName {
 }
 
 /// How the hub aggregates, trusts and paces.
-#[derive(Args, Debug, Clone)]
+#[derive(Args, Debug, Clone, Serialize, Deserialize)]
 pub struct PolicyArgs {
     /// Seconds between scheduled aggregations.
     #[arg(long, env = "AGGREGATION_INTERVAL", default_value_t = 60)]

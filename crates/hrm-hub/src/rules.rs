@@ -3,12 +3,12 @@
 //! outlier screen run before every rule, and the outer optimisers that apply the step.
 //! Inputs are up to ~100 updates of ~10M floats, so every pass reads each input once, walking
 //! coordinates in cache-sized chunks (all n slices of a Krum chunk stay in L2; coordinate-wise
-//! rules transpose one cache line per update at a time) across scoped threads over coordinate
-//! ranges. No dependencies, no allocation per coordinate.
+//! rules transpose one cache line per update at a time) across rayon's pool over coordinate
+//! ranges. No allocation per coordinate.
 
+use rayon::prelude::*;
 use std::fmt;
 use std::ops::Range;
-use std::thread;
 
 /// One worker's contribution: a flat pseudo-gradient (all parameters concatenated) and the
 /// number of samples it was trained on. Values must be finite; the hub validates uploads
@@ -114,7 +114,7 @@ fn chunk_len(updates: usize) -> usize {
 }
 
 fn thread_count(len: usize, inputs: usize) -> usize {
-    let hardware = thread::available_parallelism().map_or(1, |p| p.get());
+    let hardware = rayon::current_num_threads();
     let useful = len.saturating_mul(inputs.max(1)) / MIN_VALUES_PER_THREAD;
     hardware.min(useful).max(1)
 }
@@ -132,29 +132,6 @@ fn ranges(len: usize, per: usize) -> Vec<Range<usize>> {
         .step_by(per)
         .map(|start| start..(start + per).min(len))
         .collect()
-}
-
-/// Runs `work` on every part, the first on the calling thread and the rest on scoped threads,
-/// returning the results in part order.
-fn par_map<T: Send, R: Send>(parts: Vec<T>, work: impl Fn(T) -> R + Sync) -> Vec<R> {
-    if parts.len() <= 1 {
-        return parts.into_iter().map(work).collect();
-    }
-    let work = &work;
-    thread::scope(|scope| {
-        let mut parts = parts.into_iter();
-        let first = parts.next();
-        let handles: Vec<_> = parts.map(|part| scope.spawn(move || work(part))).collect();
-        let mut results: Vec<R> = first.into_iter().map(work).collect();
-        for handle in handles {
-            results.push(
-                handle
-                    .join()
-                    .unwrap_or_else(|e| std::panic::resume_unwind(e)),
-            );
-        }
-        results
-    })
 }
 
 /// Checks that there are updates, that they all have the first one's length and that each
@@ -266,7 +243,7 @@ fn weighted_mean(updates: &[Update<'_>], len: usize, threads: usize) -> Vec<f32>
     let mut out = vec![0.0f32; len];
     let per = per_thread(len, threads);
     let parts: Vec<_> = out.chunks_mut(per).enumerate().collect();
-    par_map(parts, |(part, out)| {
+    parts.into_par_iter().for_each(|(part, out)| {
         weighted_mean_range(updates, &weights, part * per, out);
     });
     out
@@ -320,7 +297,7 @@ fn coordinatewise(
     let mut out = vec![0.0f32; len];
     let per = per_thread(len, threads);
     let parts: Vec<_> = out.chunks_mut(per).enumerate().collect();
-    par_map(parts, |(part, out)| {
+    parts.into_par_iter().for_each(|(part, out)| {
         let mut tile = vec![0.0f32; TILE * n];
         let mut keys = Vec::with_capacity(n);
         for (t, out) in out.chunks_mut(TILE).enumerate() {
@@ -475,31 +452,34 @@ fn pairwise_sq_dists(updates: &[Update<'_>], len: usize, threads: usize) -> Vec<
     let parts = ranges(len, per_thread(len, threads));
     // Padding keeps the row stride off powers of two, so rows do not share cache sets.
     let stride = chunk + LANES;
-    let partials = par_map(parts, |range| {
-        let mut acc = vec![0.0f64; n * n];
-        let mut scratch = vec![0.0f32; n * stride];
-        for lo in range.clone().step_by(chunk) {
-            let width = chunk.min(range.end - lo);
-            // A contiguous copy of the chunk: the inputs are separate allocations that usually
-            // share their offset modulo the page size, so their slices would evict each other
-            // from L2 before the O(n^2) sweep is done with them.
-            for (row, u) in scratch.chunks_exact_mut(stride).zip(updates) {
-                row[..width].copy_from_slice(&u.values[lo..lo + width]);
-            }
-            for (i, a) in scratch.chunks_exact(stride).enumerate() {
-                let a = &a[..width];
-                let row = &mut acc[i * n + i + 1..(i + 1) * n];
-                let later = scratch[(i + 1) * stride..].chunks_exact(stride);
-                // One partner per call: pairing `a` with several partners at once would save
-                // loads, but LLVM then vectorises across partners with shuffles and spills
-                // (measured ~1.5x slower), while this loop compiles to clean SIMD.
-                for (r, b) in row.iter_mut().zip(later) {
-                    *r += sq_dist(a, &b[..width]);
+    let partials = parts
+        .into_par_iter()
+        .map(|range| {
+            let mut acc = vec![0.0f64; n * n];
+            let mut scratch = vec![0.0f32; n * stride];
+            for lo in range.clone().step_by(chunk) {
+                let width = chunk.min(range.end - lo);
+                // A contiguous copy of the chunk: the inputs are separate allocations that usually
+                // share their offset modulo the page size, so their slices would evict each other
+                // from L2 before the O(n^2) sweep is done with them.
+                for (row, u) in scratch.chunks_exact_mut(stride).zip(updates) {
+                    row[..width].copy_from_slice(&u.values[lo..lo + width]);
+                }
+                for (i, a) in scratch.chunks_exact(stride).enumerate() {
+                    let a = &a[..width];
+                    let row = &mut acc[i * n + i + 1..(i + 1) * n];
+                    let later = scratch[(i + 1) * stride..].chunks_exact(stride);
+                    // One partner per call: pairing `a` with several partners at once would save
+                    // loads, but LLVM then vectorises across partners with shuffles and spills
+                    // (measured ~1.5x slower), while this loop compiles to clean SIMD.
+                    for (r, b) in row.iter_mut().zip(later) {
+                        *r += sq_dist(a, &b[..width]);
+                    }
                 }
             }
-        }
-        acc
-    });
+            acc
+        })
+        .collect::<Vec<_>>();
     let mut dist = vec![0.0f64; n * n];
     for partial in &partials {
         for (d, p) in dist.iter_mut().zip(partial) {
@@ -659,25 +639,28 @@ pub fn sigma_floor(n: usize) -> f64 {
 fn distances_to_median(updates: &[Update<'_>], len: usize, threads: usize) -> Vec<f64> {
     let n = updates.len();
     let parts = ranges(len, per_thread(len, threads));
-    let partials = par_map(parts, |range| {
-        let mut sq = vec![0.0f64; n];
-        let mut tile = vec![0.0f32; TILE * n];
-        let mut keys = Vec::with_capacity(n);
-        for start in range.clone().step_by(TILE) {
-            let width = TILE.min(range.end - start);
-            transpose_tile(updates, start, width, &mut tile);
-            for row in tile.chunks_exact(n).take(width) {
-                keys.clear();
-                keys.extend(row.iter().map(|&v| order_key(v)));
-                let median = f64::from(median_of(&mut keys));
-                for (s, &v) in sq.iter_mut().zip(row) {
-                    let d = f64::from(v) - median;
-                    *s += d * d;
+    let partials = parts
+        .into_par_iter()
+        .map(|range| {
+            let mut sq = vec![0.0f64; n];
+            let mut tile = vec![0.0f32; TILE * n];
+            let mut keys = Vec::with_capacity(n);
+            for start in range.clone().step_by(TILE) {
+                let width = TILE.min(range.end - start);
+                transpose_tile(updates, start, width, &mut tile);
+                for row in tile.chunks_exact(n).take(width) {
+                    keys.clear();
+                    keys.extend(row.iter().map(|&v| order_key(v)));
+                    let median = f64::from(median_of(&mut keys));
+                    for (s, &v) in sq.iter_mut().zip(row) {
+                        let d = f64::from(v) - median;
+                        *s += d * d;
+                    }
                 }
             }
-        }
-        sq
-    });
+            sq
+        })
+        .collect::<Vec<_>>();
     let mut sq = vec![0.0f64; n];
     for partial in &partials {
         for (s, p) in sq.iter_mut().zip(partial) {
@@ -705,16 +688,19 @@ pub fn cosine_similarity(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len(), "cosine_similarity of different lengths");
     let per = per_thread(a.len(), thread_count(a.len(), 2));
     let parts: Vec<_> = a.chunks(per).zip(b.chunks(per)).collect();
-    let sums = par_map(parts, |(a, b)| {
-        let mut total = [0.0f64; 3];
-        for (a, b) in a.chunks(MAX_CHUNK).zip(b.chunks(MAX_CHUNK)) {
-            let [dot, aa, bb] = dot3(a, b);
-            total[0] += dot;
-            total[1] += aa;
-            total[2] += bb;
-        }
-        total
-    });
+    let sums = parts
+        .into_par_iter()
+        .map(|(a, b)| {
+            let mut total = [0.0f64; 3];
+            for (a, b) in a.chunks(MAX_CHUNK).zip(b.chunks(MAX_CHUNK)) {
+                let [dot, aa, bb] = dot3(a, b);
+                total[0] += dot;
+                total[1] += aa;
+                total[2] += bb;
+            }
+            total
+        })
+        .collect::<Vec<_>>();
     let [dot, aa, bb] = sums
         .iter()
         .fold([0.0f64; 3], |t, s| [t[0] + s[0], t[1] + s[1], t[2] + s[2]]);
@@ -891,7 +877,7 @@ impl OuterOptimizer {
         match *self {
             Self::Plain { lr } => {
                 let parts: Vec<_> = params.chunks_mut(per).zip(delta.chunks(per)).collect();
-                par_map(parts, |(p, d)| {
+                parts.into_par_iter().for_each(|(p, d)| {
                     for (p, &d) in p.iter_mut().zip(d) {
                         *p -= lr * d;
                     }
@@ -911,7 +897,7 @@ impl OuterOptimizer {
                     .zip(state.momentum.chunks_mut(per))
                     .zip(state.second_moment.chunks_mut(per))
                     .collect();
-                par_map(parts, |(((p, d), m), v)| {
+                parts.into_par_iter().for_each(|(((p, d), m), v)| {
                     for (((p, &d), m), v) in p.iter_mut().zip(d).zip(m).zip(v) {
                         *m = beta1 * *m + (1.0 - beta1) * d;
                         *v = beta2 * *v + (1.0 - beta2) * d * d;
@@ -926,7 +912,7 @@ impl OuterOptimizer {
                     .zip(delta.chunks(per))
                     .zip(state.momentum.chunks_mut(per))
                     .collect();
-                par_map(parts, |((p, d), m)| {
+                parts.into_par_iter().for_each(|((p, d), m)| {
                     for ((p, &d), m) in p.iter_mut().zip(d).zip(m) {
                         *m = momentum * *m + d;
                         *p -= lr * (d + momentum * *m);

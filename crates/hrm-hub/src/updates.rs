@@ -20,10 +20,9 @@ use crate::versions;
 use crate::workers::Worker;
 use axum::body::Body;
 use hrm_http::{ApiError, ApiResult};
-use hrm_wire::update::decode_update;
+use hrm_wire::update::{decode_update, sha256_hex};
 use hrm_wire::{GradientUpload, UploadReceipt, UploadTarget};
 use rand::Rng;
-use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use uuid::Uuid;
@@ -271,7 +270,7 @@ pub async fn accept(
     let gated = verify && probation;
     let verify = verify || needs_reference;
     let update_id = Uuid::new_v4();
-    let sha256 = hex::encode(Sha256::digest(&bytes));
+    let sha256 = sha256_hex(&bytes);
     let mut tx = hub.db.pool.begin().await.map_err(anyhow::Error::from)?;
     // The batch row first: it is the write that decides between racing uploads.
     if !store::batches::complete(&mut *tx, &batch_id, &worker.id.to_string(), &sha256).await? {

@@ -17,12 +17,14 @@ use crate::rules::{cosine_similarity, l2_norm};
 use crate::store::{self, updates::QueuedVerification};
 use crate::trust::{REPUTATION_DISAGREED, REPUTATION_VERIFIED, next_norm_reference};
 use crate::updates::max_update_bytes;
-use crate::versions::{self, LoadedVersion, sha256_hex};
+use crate::versions::{self, LoadedVersion};
 use anyhow::{Context, Result, anyhow, bail};
 use candle_core::Device;
+use hrm_model::ModelSpec;
 use hrm_model::train::{LocalTraining, to_tensors, update_on_cpu};
-use hrm_model::train::{ModelSpec, build_with_weights, evaluate};
+use hrm_model::train::{build_with_weights, evaluate};
 use hrm_wire::samples::decode_samples;
+use hrm_wire::update::sha256_hex;
 use hrm_wire::update::{decode_update, is_top_k, read_checkpoint};
 use std::path::Path;
 

@@ -13,17 +13,12 @@ use crate::store;
 use anyhow::{Context, Result, anyhow, bail};
 use bytes::Bytes;
 use hrm_wire::ModelVersionInfo;
-use hrm_wire::update::{ParamSpec, Schema, read_checkpoint, write_checkpoint};
-use sha2::{Digest, Sha256};
+use hrm_wire::update::{ParamSpec, Schema, read_checkpoint, sha256_hex, write_checkpoint};
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 pub const MAX_VERSION_CHARS: usize = 16;
-
-pub fn sha256_hex(bytes: &[u8]) -> String {
-    hex::encode(Sha256::digest(bytes))
-}
 
 pub fn checkpoint_key(version: &str) -> String {
     format!("checkpoints/{version}/model.safetensors")
@@ -168,7 +163,7 @@ pub async fn init(hub: &Hub, model_dir: &Path) -> Result<ModelVersionInfo> {
 /// run can start from the same weights.
 pub async fn init_fresh(hub: &Hub, config_path: &Path, seed: u64) -> Result<ModelVersionInfo> {
     let config = read_config(config_path)?;
-    let spec = hrm_model::train::ModelSpec::from_config_file(config_path)?;
+    let spec = hrm_model::ModelSpec::from_config_file(config_path)?;
     let varmap = candle_nn::VarMap::new();
     spec.build(&varmap, candle_core::DType::F32, &candle_core::Device::Cpu)?;
     spec.initialise(&varmap, seed)?;
@@ -194,7 +189,7 @@ fn read_config(config_path: &Path) -> Result<serde_json::Value> {
             .with_context(|| format!("reading {}", config_path.display()))?,
     )
     .with_context(|| format!("parsing {}", config_path.display()))?;
-    hrm_model::train::ModelSpec::from_config_file(config_path)?;
+    hrm_model::ModelSpec::from_config_file(config_path)?;
     config["dtype"] = "float32".into();
     Ok(config)
 }

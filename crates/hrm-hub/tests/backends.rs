@@ -60,6 +60,7 @@ async fn fresh_bucket() -> (String, String) {
     let endpoint = env_or("HRM_TEST_S3_ENDPOINT", "http://127.0.0.1:5000");
     let bucket = format!("hrm-test-{}", uuid::Uuid::new_v4().simple());
     // object_store cannot create buckets; S3's CreateBucket is a PUT on the bucket.
+    hrm_wire::install_tls_provider();
     let created = reqwest::Client::new()
         .put(format!("{endpoint}/{bucket}"))
         .send()

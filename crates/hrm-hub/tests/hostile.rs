@@ -677,6 +677,7 @@ async fn multi_krum_aggregates_n_minus_f_by_default() {
 #[tokio::test]
 async fn registration_costs_work_and_is_limited_per_address() {
     let t = start(defended_policy(&["--register-burst", "3"]), 2).await;
+    hrm_wire::install_tls_provider();
     let http = reqwest::Client::new();
     let register = |body: serde_json::Value| {
         let http = http.clone();

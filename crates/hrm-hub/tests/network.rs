@@ -96,6 +96,7 @@ async fn registration_login_and_auth_errors() {
     );
 
     // A malformed body is a JSON error, and nothing is created.
+    hrm_wire::install_tls_provider();
     let response = reqwest::Client::new()
         .post(format!("{}/api/v1/auth/register", t.url))
         .header("content-type", "application/json")
@@ -198,6 +199,7 @@ async fn checkpoints_are_content_addressed_and_cacheable() {
     let t = start(policy(&[]), 1).await;
     let worker = SimWorker::join(&t.url, "cache").await;
     let info = worker.client.current_model().await.unwrap();
+    hrm_wire::install_tls_provider();
     let http = reqwest::Client::new();
     let url = format!("{}{}", t.url, info.checkpoint_url);
     let full = http
@@ -212,7 +214,7 @@ async fn checkpoints_are_content_addressed_and_cacheable() {
         format!("\"{}\"", info.sha256)
     );
     let bytes = full.bytes().await.unwrap();
-    assert_eq!(hrm_hub::versions::sha256_hex(&bytes), info.sha256);
+    assert_eq!(hrm_wire::update::sha256_hex(&bytes), info.sha256);
     let cached = http
         .get(&url)
         .bearer_auth(worker.client.api_key())
@@ -718,6 +720,7 @@ async fn status_feed_reports_versions_and_drops_silent_clients() {
 #[tokio::test]
 async fn the_dashboard_and_public_routes_need_no_key() {
     let t = start(policy(&[]), 1).await;
+    hrm_wire::install_tls_provider();
     let http = reqwest::Client::new();
     let page = http.get(format!("{}/", t.url)).send().await.unwrap();
     assert_eq!(page.status(), StatusCode::OK);
@@ -868,6 +871,7 @@ async fn ingest_spreads_every_window_once_across_batches() {
 #[tokio::test]
 async fn the_openapi_document_describes_the_served_routes() {
     let t = start(policy(&[]), 1).await;
+    hrm_wire::install_tls_provider();
     let client = reqwest::Client::new();
     let doc: serde_json::Value = client
         .get(format!("{}/openapi.json", t.url))

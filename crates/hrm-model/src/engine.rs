@@ -15,10 +15,10 @@ use std::collections::VecDeque;
 use std::hash::{BuildHasher, RandomState};
 
 use candle_core::{D, DType};
-use candle_transformers::generation::{LogitsProcessor, Sampling};
 
 use crate::cache::{ForwardBatch, SeqCache};
 use crate::loader::LoadedModel;
+use crate::sampling::Sampler;
 use crate::tokenizer::TextTokenizer;
 use crate::{CausalLm, Error, Logits, ModelInfo, Result};
 
@@ -64,7 +64,7 @@ pub struct Sequence {
     generated: Vec<u32>,
     text: String,
     cache: SeqCache,
-    sampler: LogitsProcessor,
+    sampler: Sampler,
     params: GenerateParams,
     finish: Option<FinishReason>,
     truncated: bool,
@@ -231,17 +231,10 @@ impl Engine {
         // Sampling runs in f32. A p that rounds to 0 there would keep no token at all, and
         // logits divided by a temperature near 0 overflow to infinities; top-p and temperature
         // tending to 0 both keep the likeliest token, which is greedy decoding.
-        let sampling = if params.temperature < MIN_TEMPERATURE || (params.top_p as f32) <= 0.0 {
-            Sampling::ArgMax
-        } else if params.top_p < 1.0 {
-            Sampling::TopP {
-                p: params.top_p,
-                temperature: params.temperature,
-            }
+        let sampler = if params.temperature < MIN_TEMPERATURE || (params.top_p as f32) <= 0.0 {
+            Sampler::greedy()
         } else {
-            Sampling::All {
-                temperature: params.temperature,
-            }
+            Sampler::draw(seed, params.temperature, params.top_p)
         };
         let finish = (params.max_tokens == 0).then_some(FinishReason::Length);
         Sequence {
@@ -249,7 +242,7 @@ impl Engine {
             generated: Vec::new(),
             text: String::new(),
             cache: SeqCache::new(self.info().cache_slots),
-            sampler: LogitsProcessor::from_sampling(seed, sampling),
+            sampler,
             params,
             finish,
             truncated,

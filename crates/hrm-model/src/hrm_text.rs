@@ -26,12 +26,12 @@ use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
 use crate::cache::ForwardBatch;
+use crate::config::ModelFamily;
 use crate::config::{self, EosTokenId, ModelConfig, RopeParameters};
 use crate::layers::{
     Attention, AttnContext, AttnInput, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm,
     RopeLayout, Rotary, SwiGlu,
 };
-use crate::loader::ModelFamily;
 use crate::moe::MoeMlp;
 use crate::{CausalLm, Logits, ModelInfo, ModelOutput};
 
@@ -124,7 +124,10 @@ fn default_true() -> bool {
 
 impl ModelConfig for HrmTextConfig {
     fn validate(&self) -> std::result::Result<(), String> {
-        if self.model_type != "hrm_text" && self.model_type != "hrm_text_moe" {
+        if !matches!(
+            ModelFamily::from_model_type(&self.model_type),
+            Some(ModelFamily::HrmText | ModelFamily::HrmTextMoe)
+        ) {
             return Err(format!(
                 "model_type {:?} is not hrm_text or hrm_text_moe",
                 self.model_type
@@ -168,8 +171,13 @@ impl ModelConfig for HrmTextConfig {
 }
 
 impl HrmTextConfig {
+    /// `hrm_text` or `hrm_text_moe`, as validated.
+    pub fn family(&self) -> ModelFamily {
+        ModelFamily::from_model_type(&self.model_type).unwrap_or(ModelFamily::HrmText)
+    }
+
     pub fn is_moe(&self) -> bool {
-        self.model_type == "hrm_text_moe"
+        self.family() == ModelFamily::HrmTextMoe
     }
 
     /// The real depth of each stack.
@@ -335,11 +343,7 @@ impl HrmText {
                 .sum::<usize>()
                 * config.h_cycles;
         let info = ModelInfo {
-            family: if config.is_moe() {
-                ModelFamily::HrmTextMoe
-            } else {
-                ModelFamily::HrmText
-            },
+            family: config.family(),
             vocab_size: config.vocab_size,
             max_position_embeddings: config.max_position_embeddings,
             prefix_lm: config.prefix_lm,

@@ -22,15 +22,16 @@ pub mod llama;
 pub mod loader;
 pub mod moe;
 mod q4_1;
+mod sampling;
 pub mod tokenizer;
 pub mod train;
 
 pub use cache::{ForwardBatch, SeqCache};
-pub use config::ModelConfig;
+pub use config::{ModelConfig, ModelFamily, ModelSpec};
 pub use device::{DeviceRequest, select_device};
 pub use engine::{Engine, FinishReason, GenerateParams, Generation, TokenLogprob};
 pub use error::{Error, Result};
-pub use loader::{LoadedModel, ModelFamily, load_model};
+pub use loader::{LoadedModel, load_model};
 pub use tokenizer::TextTokenizer;
 
 use candle_core::{DType, Device, Tensor};

@@ -10,12 +10,12 @@ use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
 use crate::cache::ForwardBatch;
+use crate::config::ModelFamily;
 use crate::config::{self, EosTokenId, ModelConfig, RopeParameters};
 use crate::layers::{
     Attention, AttnContext, AttnInput, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm,
     RopeLayout, Rotary, SwiGlu,
 };
-use crate::loader::ModelFamily;
 use crate::{CausalLm, Logits, ModelInfo, ModelOutput};
 
 /// `config.json` of a `llama` checkpoint.

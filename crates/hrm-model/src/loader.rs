@@ -10,32 +10,12 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
-use serde::{Deserialize, Serialize};
 
-use crate::config::ModelConfig;
-use crate::hrm_text::{HrmText, HrmTextConfig};
-use crate::llama::{Llama, LlamaConfig};
+use crate::config::ModelSpec;
+use crate::hrm_text::HrmText;
+use crate::llama::Llama;
 use crate::tokenizer::TextTokenizer;
 use crate::{CausalLm, Error, Result};
-
-/// The architectures this crate runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ModelFamily {
-    HrmText,
-    HrmTextMoe,
-    Llama,
-}
-
-impl ModelFamily {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::HrmText => "hrm_text",
-            Self::HrmTextMoe => "hrm_text_moe",
-            Self::Llama => "llama",
-        }
-    }
-}
 
 /// A model ready to run, with its tokenizer.
 pub struct LoadedModel {
@@ -69,12 +49,9 @@ pub fn load_model(
     }
     let config_path = path.join("config.json");
     let text = std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?;
-    let probe: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::Config {
-        path: config_path.clone(),
-        message: e.to_string(),
-    })?;
-    let model_type = probe["model_type"].as_str().unwrap_or_default().to_string();
+    // The weights first: a pickle checkpoint is refused as such, whatever its config says.
     let weights = safetensors_files(path)?;
+    let spec = ModelSpec::from_config_json(&text, &config_path)?;
     let tokenizer_file = tokenizer_path
         .map(Path::to_path_buf)
         .unwrap_or_else(|| path.join("tokenizer.json"));
@@ -82,9 +59,8 @@ pub fn load_model(
     // concurrent writer outside the process is outside what a model server can defend against.
     let vb = unsafe { VarBuilder::from_mmaped_safetensors(&weights, dtype, device)? };
     let num_parameters = count_parameters(&weights)?;
-    let (model, tokenizer): (Box<dyn CausalLm>, _) = match model_type.as_str() {
-        "hrm_text" | "hrm_text_moe" => {
-            let config = HrmTextConfig::from_file(&config_path)?;
+    let (model, tokenizer): (Box<dyn CausalLm>, _) = match spec {
+        ModelSpec::HrmText(config) => {
             let tokenizer = TextTokenizer::from_file(
                 &tokenizer_file,
                 config.eos_token_ids(),
@@ -94,19 +70,12 @@ pub fn load_model(
             model.set_num_parameters(num_parameters);
             (Box::new(model), tokenizer)
         }
-        "llama" => {
-            let config = LlamaConfig::from_file(&config_path)?;
+        ModelSpec::Llama(config) => {
             let tokenizer =
                 TextTokenizer::from_file(&tokenizer_file, config.eos_token_ids(), None)?;
             let mut model = Llama::new(&config, vb)?;
             model.set_num_parameters(num_parameters);
             (Box::new(model), tokenizer)
-        }
-        other => {
-            return Err(Error::Unsupported {
-                path: config_path,
-                message: format!("model_type {other:?}; supported: hrm_text, hrm_text_moe, llama"),
-            });
         }
     };
     Ok(LoadedModel {

@@ -8,8 +8,9 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 use common::{expected, fixture, max_abs_diff};
+use hrm_model::ModelSpec;
 use hrm_model::train::{
-    AdamWConfig, LrSchedule, ModelSpec, ScheduleKind, Trainer, lm_loss, sorted_vars, trainable_vars,
+    AdamWConfig, LrSchedule, ScheduleKind, Trainer, lm_loss, sorted_vars, trainable_vars,
 };
 
 fn schedule(total: usize) -> LrSchedule {

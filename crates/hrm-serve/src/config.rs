@@ -1,5 +1,5 @@
 //! `hrm serve` settings: command-line flags, then environment variables, then the `serve:`
-//! section of a YAML file, then defaults (highest first).
+//! section of a YAML file, then defaults (highest first), layered by `hrm_settings`.
 //!
 //! The YAML file is `--config PATH` (or `HRM_SERVE_CONFIG`); without either, `./hrm.yaml` is read
 //! when it exists. `--print-config` prints the effective settings with secrets redacted.
@@ -10,15 +10,16 @@
 
 use std::path::{Path, PathBuf};
 
-use clap::Args;
+use clap::{ArgMatches, Args};
 use hrm_model::DeviceRequest;
+use hrm_settings::SettingsFile;
 use serde::{Deserialize, Serialize};
 
 use crate::validation::Limits;
 
-/// The flags of `hrm serve`. Every value is optional here so that precedence can be resolved
-/// against the YAML file; `clap` itself fills in the environment variables.
-#[derive(Args, Debug, Default, Clone)]
+/// The flags of `hrm serve`, which are also the keys of the YAML file's `serve:` section.
+/// Every value is optional here; [`ServeConfig::resolve`] fills in the defaults.
+#[derive(Args, Debug, Default, Clone, Serialize, Deserialize)]
 pub struct ServeArgs {
     /// YAML file whose `serve:` section supplies defaults (default: ./hrm.yaml if present).
     #[arg(long, env = "HRM_SERVE_CONFIG")]
@@ -101,45 +102,13 @@ pub struct ServeArgs {
     #[arg(long)]
     pub dry_run: bool,
     #[command(flatten)]
+    #[serde(flatten)]
     pub connections: hrm_http::ConnectionArgs,
 }
 
-/// The `serve:` section of the YAML file.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ServeFileSection {
-    pub host: Option<String>,
-    pub port: Option<u16>,
-    pub model_path: Option<PathBuf>,
-    pub tokenizer_path: Option<PathBuf>,
-    pub chat_template: Option<PathBuf>,
-    pub device: Option<DeviceRequest>,
-    pub max_batch_size: Option<usize>,
-    pub max_new_tokens: Option<usize>,
-    pub context_window: Option<usize>,
-    pub max_queued_tokens: Option<usize>,
-    pub backpressure: Option<bool>,
-    pub max_request_tokens: Option<usize>,
-    pub max_logprob_entries: Option<usize>,
-    pub score_chunk_tokens: Option<usize>,
-    pub max_body_bytes: Option<usize>,
-    pub log_level: Option<String>,
-    pub api_key_file: Option<PathBuf>,
-    pub metrics_auth: Option<bool>,
-    pub enable_cors: Option<bool>,
-    pub cors_origins: Option<Vec<String>>,
-    pub header_timeout: Option<u64>,
-    pub body_timeout: Option<u64>,
-    pub body_deadline: Option<u64>,
-    pub max_connections: Option<usize>,
-    pub shutdown_timeout: Option<u64>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-struct ConfigFile {
-    #[serde(default)]
-    serve: Option<ServeFileSection>,
-}
+/// Flags that the YAML file may not set: the file's own path, the switches of one run, and the
+/// key itself (a file tends to be committed; only the path of a key file may be in it).
+const NEVER_FROM_FILE: &[&str] = &["config", "api_key", "ui", "print_config", "dry_run"];
 
 /// The effective settings.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -180,73 +149,41 @@ fn redact<S: serde::Serializer>(key: &Option<String>, s: S) -> Result<S::Ok, S::
 }
 
 impl ServeConfig {
-    /// Resolves flags and environment (already merged by clap) over the YAML file over defaults.
-    pub fn resolve(args: &ServeArgs) -> anyhow::Result<Self> {
-        let (file, config_file) = read_file(args.config.as_deref())?;
-        let pick = |flag: Option<&String>, file: Option<&String>, default: &str| {
-            flag.or(file)
-                .cloned()
-                .unwrap_or_else(|| default.to_string())
-        };
+    /// Layers the YAML file under the flags and environment variables that clap parsed into
+    /// `args` (from `matches`), then fills in the defaults.
+    pub fn resolve(args: ServeArgs, matches: &ArgMatches) -> anyhow::Result<Self> {
+        let file =
+            SettingsFile::find(args.config.as_deref(), Path::new("hrm.yaml"), Some("serve"))?;
+        let args = hrm_settings::layered(args, matches, file.as_ref(), NEVER_FROM_FILE)?;
+        let limits = Limits::default();
         let config = Self {
-            host: pick(args.host.as_ref(), file.host.as_ref(), "0.0.0.0"),
-            port: args.port.or(file.port).unwrap_or(8000),
+            host: args.host.unwrap_or_else(|| "0.0.0.0".into()),
+            port: args.port.unwrap_or(8000),
             model_path: args
                 .model_path
-                .clone()
-                .or(file.model_path)
                 .unwrap_or_else(|| PathBuf::from("models/sample")),
-            tokenizer_path: args.tokenizer_path.clone().or(file.tokenizer_path),
-            chat_template: args.chat_template.clone().or(file.chat_template),
-            device: args.device.or(file.device).unwrap_or_default(),
-            max_batch_size: args.max_batch_size.or(file.max_batch_size).unwrap_or(16),
-            max_new_tokens: args.max_new_tokens.or(file.max_new_tokens).unwrap_or(1024),
-            context_window: args.context_window.or(file.context_window),
-            max_queued_tokens: args
-                .max_queued_tokens
-                .or(file.max_queued_tokens)
-                .unwrap_or(1 << 20),
-            backpressure: args.backpressure.or(file.backpressure).unwrap_or(true),
-            max_request_tokens: args
-                .max_request_tokens
-                .or(file.max_request_tokens)
-                .unwrap_or(Limits::default().max_request_tokens),
+            tokenizer_path: args.tokenizer_path,
+            chat_template: args.chat_template,
+            device: args.device.unwrap_or_default(),
+            max_batch_size: args.max_batch_size.unwrap_or(16),
+            max_new_tokens: args.max_new_tokens.unwrap_or(1024),
+            context_window: args.context_window,
+            max_queued_tokens: args.max_queued_tokens.unwrap_or(1 << 20),
+            backpressure: args.backpressure.unwrap_or(true),
+            max_request_tokens: args.max_request_tokens.unwrap_or(limits.max_request_tokens),
             max_logprob_entries: args
                 .max_logprob_entries
-                .or(file.max_logprob_entries)
-                .unwrap_or(Limits::default().max_logprob_entries),
-            score_chunk_tokens: args
-                .score_chunk_tokens
-                .or(file.score_chunk_tokens)
-                .unwrap_or(2048),
-            max_body_bytes: args
-                .max_body_bytes
-                .or(file.max_body_bytes)
-                .unwrap_or(4 << 20),
-            log_level: pick(args.log_level.as_ref(), file.log_level.as_ref(), "info"),
-            api_key: read_api_key(
-                args.api_key.clone(),
-                args.api_key_file.clone().or(file.api_key_file),
-            )?,
-            metrics_auth: args.metrics_auth.or(file.metrics_auth).unwrap_or(false),
-            enable_cors: args.enable_cors.or(file.enable_cors).unwrap_or(false),
-            cors_origins: args
-                .cors_origins
-                .clone()
-                .or(file.cors_origins)
-                .unwrap_or_default(),
+                .unwrap_or(limits.max_logprob_entries),
+            score_chunk_tokens: args.score_chunk_tokens.unwrap_or(2048),
+            max_body_bytes: args.max_body_bytes.unwrap_or(4 << 20),
+            log_level: args.log_level.unwrap_or_else(|| "info".into()),
+            api_key: read_api_key(args.api_key, args.api_key_file)?,
+            metrics_auth: args.metrics_auth.unwrap_or(false),
+            enable_cors: args.enable_cors.unwrap_or(false),
+            cors_origins: args.cors_origins.unwrap_or_default(),
             ui: args.ui,
-            connections: args
-                .connections
-                .over(&hrm_http::ConnectionArgs {
-                    header_timeout: file.header_timeout,
-                    body_timeout: file.body_timeout,
-                    body_deadline: file.body_deadline,
-                    max_connections: file.max_connections,
-                    shutdown_timeout: file.shutdown_timeout,
-                })
-                .limits()?,
-            config_file,
+            connections: args.connections.limits()?,
+            config_file: file.map(|f| f.path().to_path_buf()),
         };
         config.check()?;
         Ok(config)
@@ -319,42 +256,28 @@ fn read_api_key(key: Option<String>, file: Option<PathBuf>) -> anyhow::Result<Op
     Ok(Some(key))
 }
 
-fn read_file(explicit: Option<&Path>) -> anyhow::Result<(ServeFileSection, Option<PathBuf>)> {
-    let path = match explicit {
-        Some(p) => p.to_path_buf(),
-        None => {
-            let default = PathBuf::from("hrm.yaml");
-            if !default.exists() {
-                return Ok((ServeFileSection::default(), None));
-            }
-            default
-        }
-    };
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| anyhow::anyhow!("cannot read the config file {}: {e}", path.display()))?;
-    let file: ConfigFile = serde_norway::from_str(&text)
-        .map_err(|e| anyhow::anyhow!("invalid config file {}: {e}", path.display()))?;
-    Ok((file.serve.unwrap_or_default(), Some(path)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::FromArgMatches;
 
-    fn yaml(dir: &Path, text: &str) -> PathBuf {
+    fn yaml(dir: &Path, text: &str) -> String {
         let path = dir.join("hrm.yaml");
         std::fs::write(&path, text).unwrap();
-        path
+        path.display().to_string()
+    }
+
+    /// `hrm serve ARGV`, as the command line resolves it.
+    fn resolve(argv: &[&str]) -> anyhow::Result<ServeConfig> {
+        let matches = ServeArgs::augment_args(clap::Command::new("serve"))
+            .try_get_matches_from(std::iter::once("serve").chain(argv.iter().copied()))?;
+        ServeConfig::resolve(ServeArgs::from_arg_matches(&matches)?, &matches)
     }
 
     #[test]
     fn defaults_apply_without_flags_or_file() {
         let dir = tempfile::tempdir().unwrap();
-        let args = ServeArgs {
-            config: Some(yaml(dir.path(), "other: {}\n")),
-            ..ServeArgs::default()
-        };
-        let c = ServeConfig::resolve(&args).unwrap();
+        let c = resolve(&["--config", &yaml(dir.path(), "other: {}\n")]).unwrap();
         assert_eq!(
             (c.host.as_str(), c.port, c.max_batch_size, c.max_new_tokens),
             ("0.0.0.0", 8000, 16, 1024)
@@ -368,49 +291,38 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = yaml(
             dir.path(),
-            "serve:\n  port: 9001\n  max_batch_size: 4\n  log_level: debug\n",
+            "serve:\n  port: 9001\n  max_batch_size: 4\n  log_level: debug\n  body_timeout: 7\n",
         );
-        let args = ServeArgs {
-            config: Some(path),
-            port: Some(9100),
-            ..ServeArgs::default()
-        };
-        let c = ServeConfig::resolve(&args).unwrap();
+        let c = resolve(&["--config", &path, "--port", "9100"]).unwrap();
         assert_eq!(c.port, 9100, "flag over file");
         assert_eq!(c.max_batch_size, 4, "file over default");
         assert_eq!(c.log_level, "debug");
         assert_eq!(c.max_new_tokens, 1024, "default");
+        assert_eq!(
+            c.connections.body_timeout,
+            std::time::Duration::from_secs(7),
+            "the connection settings are the file's too"
+        );
     }
 
     #[test]
     fn unknown_keys_and_bad_values_are_errors() {
         let dir = tempfile::tempdir().unwrap();
-        let args = ServeArgs {
-            config: Some(yaml(dir.path(), "serve:\n  prot: 1\n")),
-            ..ServeArgs::default()
-        };
-        let err = ServeConfig::resolve(&args).unwrap_err().to_string();
+        let err = resolve(&["--config", &yaml(dir.path(), "serve:\n  prot: 1\n")])
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("prot"), "{err}");
-        let args = ServeArgs {
-            config: Some(yaml(dir.path(), "serve:\n  max_batch_size: 0\n")),
-            ..ServeArgs::default()
-        };
-        assert!(
-            ServeConfig::resolve(&args)
-                .unwrap_err()
-                .to_string()
-                .contains("max_batch_size")
-        );
-        let args = ServeArgs {
-            max_queued_tokens: Some(1 << 40),
-            ..ServeArgs::default()
-        };
-        assert!(
-            ServeConfig::resolve(&args)
-                .unwrap_err()
-                .to_string()
-                .contains("max_queued_tokens")
-        );
+        let err = resolve(&[
+            "--config",
+            &yaml(dir.path(), "serve:\n  max_batch_size: 0\n"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("max_batch_size"), "{err}");
+        let err = resolve(&["--max-queued-tokens", &(1u64 << 40).to_string()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("max_queued_tokens"), "{err}");
     }
 
     #[test]
@@ -418,26 +330,20 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let key_file = dir.path().join("key");
         std::fs::write(&key_file, "from-file\n").unwrap();
-        let args = ServeArgs {
-            config: Some(yaml(
-                dir.path(),
-                &format!("serve:\n  api_key_file: {}\n", key_file.display()),
-            )),
-            ..ServeArgs::default()
-        };
-        let c = ServeConfig::resolve(&args).unwrap();
+        let path = yaml(
+            dir.path(),
+            &format!("serve:\n  api_key_file: {}\n", key_file.display()),
+        );
+        let c = resolve(&["--config", &path]).unwrap();
         assert_eq!(c.api_key.as_deref(), Some("from-file"));
         let printed = c.to_yaml();
         assert!(
             printed.contains("<redacted>") && !printed.contains("from-file"),
             "{printed}"
         );
-        let args = ServeArgs {
-            config: Some(yaml(dir.path(), "serve:\n  api_key: inline\n")),
-            ..ServeArgs::default()
-        };
+        let path = yaml(dir.path(), "serve:\n  api_key: inline\n");
         assert!(
-            ServeConfig::resolve(&args).is_err(),
+            resolve(&["--config", &path]).is_err(),
             "a key in the YAML file is refused"
         );
     }

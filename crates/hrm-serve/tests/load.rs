@@ -104,6 +104,7 @@ async fn work_stops_when_its_client_leaves() {
         let metric = format!("hrm_requests_cancelled_total{{kind=\"{kind}\"}}");
         let before = server.metric(&metric).await;
         // A client that sends its request and leaves once the server has taken the work in.
+        hrm_wire::install_tls_provider();
         let client = reqwest::Client::new();
         let url = format!("{}{path}", server.base);
         let request = tokio::spawn(async move {

@@ -57,6 +57,14 @@ pub struct HubClient {
     api_key: String,
 }
 
+/// Makes ring the TLS crypto provider of this process, if none is yet. reqwest is built without
+/// a bundled provider (its default, aws-lc, is a C library that takes a minute to compile), so
+/// this must run before any HTTP client is built; calling it again does nothing.
+pub fn install_tls_provider() {
+    // An error means a provider is already installed, which is all this asks for.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 impl HubClient {
     /// `base_url` is the hub's address (`http://127.0.0.1:8090`); `api_key` is sent as
     /// `Authorization: Bearer` on every request.
@@ -65,6 +73,7 @@ impl HubClient {
         if !base.path().ends_with('/') {
             base.set_path(&format!("{}/", base.path()));
         }
+        install_tls_provider();
         Ok(Self {
             http: reqwest::Client::new(),
             base,

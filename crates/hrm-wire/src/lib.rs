@@ -12,6 +12,6 @@ pub mod samples;
 pub mod update;
 
 #[cfg(feature = "client")]
-pub use client::{ClientError, HubClient};
+pub use client::{ClientError, HubClient, install_tls_provider};
 pub use messages::*;
 pub use update::{Encoding, ParamSpec, Schema, UpdateError};

@@ -6,7 +6,13 @@
 //! which is what the aggregation rules work on.
 
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use sha2::{Digest, Sha256};
 use std::collections::{BTreeSet, HashMap};
+
+/// The SHA-256 of a file as lowercase hex: how checkpoints are named and checked on both ends.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
+}
 
 /// Metadata key and value that mark an update file.
 pub const FORMAT_KEY: &str = "format";

@@ -2,9 +2,9 @@
 //! again, and a download that was cut off resumes where it stopped (an HTTP `Range` request).
 
 use anyhow::{Context, Result, bail};
+use hrm_wire::update::sha256_hex;
 use hrm_wire::{HubClient, ModelVersionInfo};
 use reqwest::StatusCode;
-use sha2::{Digest, Sha256};
 use std::path::PathBuf;
 use tokio::io::AsyncWriteExt;
 
@@ -53,7 +53,7 @@ impl CheckpointCache {
         }
         let done = self.path_of(sha);
         if let Ok(bytes) = tokio::fs::read(&done).await {
-            if hex_sha256(&bytes) == *sha {
+            if sha256_hex(&bytes) == *sha {
                 return Ok((bytes, true));
             }
             tracing::warn!(path = %done.display(), "cached checkpoint is corrupt; downloading it again");
@@ -99,7 +99,7 @@ impl CheckpointCache {
         file.sync_all().await?;
         drop(file);
         let bytes = tokio::fs::read(&partial).await?;
-        if hex_sha256(&bytes) != *sha {
+        if sha256_hex(&bytes) != *sha {
             // A resumed file that does not add up is started over on the next try.
             tokio::fs::remove_file(&partial).await.ok();
             bail!(
@@ -110,11 +110,4 @@ impl CheckpointCache {
         tokio::fs::rename(&partial, &done).await?;
         Ok((bytes, false))
     }
-}
-
-pub fn hex_sha256(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
 }

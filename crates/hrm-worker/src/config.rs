@@ -1,11 +1,13 @@
 //! The client configuration file (YAML, exactly the specification's keys) and the flags and
 //! environment variables that override it.
 //!
-//! Precedence: flag > environment > file > default. Only the first run writes the file (with a
-//! fresh API key, mode 0600); overrides are never written back.
+//! Precedence: flag > environment > file, layered by `hrm_settings` (each flag's id is its key
+//! in the file). Only the first run writes the file (with a fresh API key, mode 0600); overrides
+//! are never written back.
 
 use anyhow::{Context, Result, bail};
-use clap::Args;
+use clap::{ArgMatches, Args};
+use hrm_settings::SettingsFile;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -158,34 +160,31 @@ pub fn default_config_path() -> PathBuf {
     base.join("hrm").join("worker.yaml")
 }
 
-/// What loading found: the file as read (or as first written) and whether it was created now.
+/// What loading found: the settings (the file's, or the first-run ones it was just written
+/// with, under the flags) and whether the file was created now.
 pub struct Loaded {
     pub config: WorkerConfig,
     pub created: bool,
 }
 
-/// Reads the configuration file, or writes the first-run one (mode 0600) when there is none.
-pub fn load_or_create(path: &Path, first_run_url: &str) -> Result<Loaded> {
-    match std::fs::read_to_string(path) {
-        Ok(text) => {
-            let config: WorkerConfig = serde_norway::from_str(&text)
-                .with_context(|| format!("reading the worker configuration {}", path.display()))?;
-            warn_if_readable_by_others(path);
-            Ok(Loaded {
-                config,
-                created: false,
-            })
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let config = WorkerConfig::first_run(first_run_url);
-            write_private(path, &config)?;
-            Ok(Loaded {
-                config,
-                created: true,
-            })
-        }
-        Err(e) => Err(e).with_context(|| format!("reading {}", path.display())),
+/// Reads the configuration file, or writes the first-run one (mode 0600) when there is none,
+/// with the flags and environment variables that clap parsed into `overrides` over it.
+pub fn load(
+    path: &Path,
+    first_run_url: &str,
+    overrides: &ConfigOverrides,
+    matches: &ArgMatches,
+) -> Result<Loaded> {
+    let created = !path.exists();
+    if created {
+        write_private(path, &WorkerConfig::first_run(first_run_url))?;
+    } else {
+        warn_if_readable_by_others(path);
     }
+    let file = SettingsFile::read(path, None)?;
+    let config = hrm_settings::layered_into(overrides, matches, &file, &[])
+        .with_context(|| format!("reading the worker configuration {}", path.display()))?;
+    Ok(Loaded { config, created })
 }
 
 /// Writes the file readable by its owner only: it holds the API key.
@@ -225,73 +224,100 @@ fn warn_if_readable_by_others(path: &Path) {
     }
 }
 
-/// Flags and environment variables over the file's settings.
-#[derive(Debug, Clone, Default, Args)]
+/// Flags and environment variables over the file's settings; each flag's id is its key there.
+#[derive(Debug, Clone, Default, Args, Serialize)]
 pub struct ConfigOverrides {
-    /// Hub base address (server.url); also the address written on first run.
-    #[arg(long, env = "HRM_WORKER_SERVER_URL")]
-    pub server_url: Option<String>,
-    /// API key (server.api_key); prefer the file, which only its owner can read.
-    #[arg(long, env = "HRM_WORKER_API_KEY", hide_env_values = true)]
-    pub api_key: Option<String>,
-    /// Rows per forward pass: `auto` or a number (training.batch_size).
-    #[arg(long, env = "HRM_WORKER_BATCH_SIZE")]
-    pub batch_size: Option<BatchSize>,
-    /// Batches before the session ends (training.max_batches_per_session).
-    #[arg(long, env = "HRM_WORKER_MAX_BATCHES_PER_SESSION")]
-    pub max_batches_per_session: Option<u64>,
-    /// Tries per request before the step counts as failed (training.retry_attempts).
-    #[arg(long, env = "HRM_WORKER_RETRY_ATTEMPTS")]
-    pub retry_attempts: Option<u32>,
-    /// Per-request timeout in seconds (training.timeout_seconds).
-    #[arg(long, env = "HRM_WORKER_TIMEOUT_SECONDS")]
-    pub timeout_seconds: Option<u64>,
-    /// Send top-k sparsified updates (uploads.compress_gradients).
-    #[arg(long, env = "HRM_WORKER_COMPRESS_GRADIENTS")]
-    pub compress_gradients: Option<bool>,
-    /// Fraction of values kept when compressing (uploads.compression_ratio).
-    #[arg(long, env = "HRM_WORKER_COMPRESSION_RATIO")]
-    pub compression_ratio: Option<f32>,
+    #[command(flatten)]
+    pub server: ServerOverrides,
+    #[command(flatten)]
+    pub training: TrainingOverrides,
+    #[command(flatten)]
+    pub uploads: UploadsOverrides,
 }
 
-impl ConfigOverrides {
-    pub fn apply(&self, config: &mut WorkerConfig) {
-        if let Some(v) = &self.server_url {
-            config.server.url = v.clone();
-        }
-        if let Some(v) = &self.api_key {
-            config.server.api_key = v.clone();
-        }
-        if let Some(v) = self.batch_size {
-            config.training.batch_size = v;
-        }
-        if let Some(v) = self.max_batches_per_session {
-            config.training.max_batches_per_session = v;
-        }
-        if let Some(v) = self.retry_attempts {
-            config.training.retry_attempts = v;
-        }
-        if let Some(v) = self.timeout_seconds {
-            config.training.timeout_seconds = v;
-        }
-        if let Some(v) = self.compress_gradients {
-            config.uploads.compress_gradients = v;
-        }
-        if let Some(v) = self.compression_ratio {
-            config.uploads.compression_ratio = v;
-        }
-    }
+#[derive(Debug, Clone, Default, Args, Serialize)]
+pub struct ServerOverrides {
+    /// Hub base address (server.url); also the address written on first run.
+    #[arg(id = "server.url", long = "server-url", env = "HRM_WORKER_SERVER_URL")]
+    pub url: Option<String>,
+    /// API key (server.api_key); prefer the file, which only its owner can read.
+    #[arg(
+        id = "server.api_key",
+        long = "api-key",
+        env = "HRM_WORKER_API_KEY",
+        hide_env_values = true
+    )]
+    pub api_key: Option<String>,
+}
+
+#[derive(Debug, Clone, Default, Args, Serialize)]
+pub struct TrainingOverrides {
+    /// Rows per forward pass: `auto` or a number (training.batch_size).
+    #[arg(
+        id = "training.batch_size",
+        long = "batch-size",
+        env = "HRM_WORKER_BATCH_SIZE"
+    )]
+    pub batch_size: Option<BatchSize>,
+    /// Batches before the session ends (training.max_batches_per_session).
+    #[arg(
+        id = "training.max_batches_per_session",
+        long = "max-batches-per-session",
+        env = "HRM_WORKER_MAX_BATCHES_PER_SESSION"
+    )]
+    pub max_batches_per_session: Option<u64>,
+    /// Tries per request before the step counts as failed (training.retry_attempts).
+    #[arg(
+        id = "training.retry_attempts",
+        long = "retry-attempts",
+        env = "HRM_WORKER_RETRY_ATTEMPTS"
+    )]
+    pub retry_attempts: Option<u32>,
+    /// Per-request timeout in seconds (training.timeout_seconds).
+    #[arg(
+        id = "training.timeout_seconds",
+        long = "timeout-seconds",
+        env = "HRM_WORKER_TIMEOUT_SECONDS"
+    )]
+    pub timeout_seconds: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, Args, Serialize)]
+pub struct UploadsOverrides {
+    /// Send top-k sparsified updates (uploads.compress_gradients).
+    #[arg(
+        id = "uploads.compress_gradients",
+        long = "compress-gradients",
+        env = "HRM_WORKER_COMPRESS_GRADIENTS"
+    )]
+    pub compress_gradients: Option<bool>,
+    /// Fraction of values kept when compressing (uploads.compression_ratio).
+    #[arg(
+        id = "uploads.compression_ratio",
+        long = "compression-ratio",
+        env = "HRM_WORKER_COMPRESSION_RATIO"
+    )]
+    pub compression_ratio: Option<f32>,
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// The file at `path` under `hrm worker ARGV`'s flags.
+    fn load_with(path: &Path, first_run_url: &str, argv: &[&str]) -> Result<Loaded> {
+        use clap::FromArgMatches;
+        let matches = ConfigOverrides::augment_args(clap::Command::new("worker"))
+            .try_get_matches_from(std::iter::once("worker").chain(argv.iter().copied()))?;
+        let overrides = ConfigOverrides::from_arg_matches(&matches)?;
+        load(path, first_run_url, &overrides, &matches)
+    }
+
     #[test]
     fn first_run_writes_exactly_the_spec_keys_with_a_private_mode() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("nested/worker.yaml");
-        let first = load_or_create(&path, "http://hub.example:8090").unwrap();
+        let first = load_with(&path, "http://hub.example:8090", &[]).unwrap();
         assert!(first.created);
         let key = &first.config.server.api_key;
         assert_eq!(key.len(), MAX_KEY_CHARS);
@@ -328,7 +354,7 @@ mod tests {
             ]
         );
         // The second run reads the same key back and writes nothing.
-        let second = load_or_create(&path, "http://elsewhere:1").unwrap();
+        let second = load_with(&path, "http://elsewhere:1", &[]).unwrap();
         assert!(!second.created);
         assert_eq!(second.config, first.config);
     }
@@ -379,17 +405,53 @@ mod tests {
 
     #[test]
     fn overrides_win_over_the_file() {
-        let mut config = WorkerConfig::first_run("http://127.0.0.1:8090");
-        ConfigOverrides {
-            server_url: Some("http://other:9".into()),
-            compress_gradients: Some(true),
-            batch_size: Some(BatchSize::Rows(4)),
-            ..Default::default()
-        }
-        .apply(&mut config);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("worker.yaml");
+        let first = load_with(&path, "http://127.0.0.1:8090", &[])
+            .unwrap()
+            .config;
+        let argv = [
+            "--server-url",
+            "http://other:9",
+            "--compress-gradients",
+            "true",
+            "--batch-size",
+            "4",
+        ];
+        let config = load_with(&path, "http://unused:1", &argv).unwrap().config;
         assert_eq!(config.server.url, "http://other:9");
+        assert_eq!(
+            config.server.api_key, first.server.api_key,
+            "the file's key"
+        );
         assert!(config.uploads.compress_gradients);
         assert_eq!(config.training.batch_size, BatchSize::Rows(4));
         assert_eq!(config.training.retry_attempts, 3);
+        let reread = load_with(&path, "http://unused:1", &[]).unwrap().config;
+        assert_eq!(reread, first, "overrides are never written back");
+    }
+
+    #[test]
+    fn a_file_key_of_the_wrong_type_or_unknown_is_an_error_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("worker.yaml");
+        let config = WorkerConfig::first_run("http://127.0.0.1:8090");
+        let text = serde_norway::to_string(&config).unwrap();
+        std::fs::write(
+            &path,
+            text.replace("retry_attempts: 3", "retry_attempts: often"),
+        )
+        .unwrap();
+        let err = format!(
+            "{:#}",
+            load_with(&path, "http://unused:1", &[]).err().unwrap()
+        );
+        assert!(err.contains("retry_attempts"), "{err}");
+        std::fs::write(&path, text.replace("uploads:", "uploads:\n  extra: 1")).unwrap();
+        let err = format!(
+            "{:#}",
+            load_with(&path, "http://unused:1", &[]).err().unwrap()
+        );
+        assert!(err.contains("uploads.extra"), "{err}");
     }
 }

@@ -5,7 +5,7 @@
 use anyhow::{Result, bail};
 use clap::Args;
 use hrm_model::DeviceRequest;
-use hrm_model::train::ModelSpec;
+use hrm_model::ModelSpec;
 
 /// The resources setting: one set of limits for everything the worker runs.
 #[derive(Debug, Clone, Default, Args)]

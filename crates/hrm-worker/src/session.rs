@@ -3,9 +3,10 @@
 //! until `training.max_batches_per_session`.
 //!
 //! Faults: each request is tried `training.retry_attempts` times (transport errors, 5xx and
-//! 429 only, waiting at least the hub's `Retry-After`) with `training.timeout_seconds` per
-//! try; a step that still fails is logged, the state stays as it was, the connection is dropped and the loop waits the retry delay (30 s
-//! by default) before it reconnects and leases the next batch. The batch in flight is lost:
+//! 429 only; pauses double from 0.5 s, and last at least the hub's `Retry-After`) with
+//! `training.timeout_seconds` per try; a step that still fails is logged, the state stays as it
+//! was, the connection is dropped and the loop waits the retry delay (30 s by default) before it
+//! reconnects and leases the next batch. The batch in flight is lost:
 //! its lease expires on the hub and another worker gets it.
 //!
 //! Stop: the flag is read between batches only, so the batch in progress is trained and
@@ -17,8 +18,9 @@ use crate::config::{BatchSize, WorkerConfig};
 use crate::resources::{MemoryEstimate, ResourceArgs};
 use crate::status::{BatchProgress, Status, WorkerState};
 use anyhow::{Context, Result, anyhow, bail};
+use backon::{ExponentialBuilder, Retryable as _};
 use candle_core::{Device, Tensor};
-use hrm_model::train::ModelSpec;
+use hrm_model::ModelSpec;
 use hrm_model::train::{LocalTraining, TrainedUpdate, to_tensors, train_on_batch};
 use hrm_wire::samples::decode_samples;
 use hrm_wire::update::{Schema, read_checkpoint};
@@ -85,6 +87,7 @@ impl Worker {
     pub fn new(settings: Settings, device: Device, status: Status) -> Result<Self> {
         settings.config.validate()?;
         settings.resources.validate()?;
+        hrm_wire::install_tls_provider();
         let http = reqwest::Client::builder()
             .timeout(settings.config.timeout())
             .connect_timeout(settings.config.timeout().min(Duration::from_secs(10)))
@@ -513,36 +516,41 @@ impl Worker {
         Ok(StepOutcome::Uploaded)
     }
 
-    async fn retrying<T, E, F, Fut>(&self, what: &str, mut call: F) -> Result<T, E>
+    async fn retrying<T, E, F, Fut>(&self, what: &str, call: F) -> Result<T, E>
     where
         E: Retryable + std::fmt::Display,
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<T, E>>,
     {
         let attempts = self.settings.config.training.retry_attempts.max(1);
-        let mut attempt = 1;
-        loop {
-            match call().await {
-                Err(e) if attempt < attempts && e.transient() => {
-                    // The hub's Retry-After (its rate limit) wins over our own backoff, up to
-                    // a cap, so that a confused hub cannot park the worker for days.
-                    let backoff = Duration::from_millis(500 * u64::from(attempt));
-                    let pause = e
-                        .retry_after()
-                        .map_or(backoff, |asked| asked.min(MAX_RETRY_AFTER).max(backoff));
-                    self.status.warn(format!(
-                        "{what} failed ({e:#}); try {} of {attempts} in {:.1}s",
-                        attempt + 1,
-                        pause.as_secs_f64()
-                    ));
-                    tokio::time::sleep(pause).await;
-                    attempt += 1;
-                }
-                other => return other,
-            }
-        }
+        let backoff = ExponentialBuilder::default()
+            .with_min_delay(FIRST_RETRY_DELAY)
+            .with_max_times(attempts as usize - 1);
+        let mut next_attempt = 1;
+        call.retry(backoff)
+            .sleep(tokio::time::sleep)
+            .when(|e: &E| e.transient())
+            // The hub's Retry-After (its rate limit) wins over our own backoff, up to a cap, so
+            // that a confused hub cannot park the worker for days.
+            .adjust(|e: &E, backoff| {
+                backoff.map(|ours| {
+                    e.retry_after()
+                        .map_or(ours, |asked| asked.min(MAX_RETRY_AFTER).max(ours))
+                })
+            })
+            .notify(|e: &E, pause| {
+                next_attempt += 1;
+                self.status.warn(format!(
+                    "{what} failed ({e:#}); try {next_attempt} of {attempts} in {:.1}s",
+                    pause.as_secs_f64()
+                ));
+            })
+            .await
     }
 }
+
+/// The pause before the second try; each later pause doubles it.
+const FIRST_RETRY_DELAY: Duration = Duration::from_millis(500);
 
 /// The longest `Retry-After` the worker honours.
 const MAX_RETRY_AFTER: Duration = Duration::from_secs(300);

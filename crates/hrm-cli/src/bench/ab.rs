@@ -14,9 +14,11 @@
 //!   greedy requests omit `temperature` 0 and `top_p` 1 and send `do_sample: false`; token
 //!   counts come from `details`. TGI cannot score text.
 
-use super::charts;
+use super::{Latencies, charts};
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use eventsource_stream::{Event, Eventsource};
+use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -181,21 +183,6 @@ fn generate_path(target: &Target) -> &'static str {
     }
 }
 
-/// One server-sent event: its `event:` name (empty for none) and its `data:` payload.
-fn next_event(buffer: &mut String) -> Option<(String, String)> {
-    let end = buffer.find("\n\n")?;
-    let block: String = buffer.drain(..end + 2).collect();
-    let (mut event, mut data) = (String::new(), String::new());
-    for line in block.lines() {
-        if let Some(v) = line.strip_prefix("event:") {
-            event = v.trim().to_string();
-        } else if let Some(v) = line.strip_prefix("data:") {
-            data.push_str(v.trim_start());
-        }
-    }
-    Some((event, data))
-}
-
 /// What one event adds to the outcome; true when the stream is complete.
 fn read_event(kind: &Kind, event: &str, data: &str, out: &mut Outcome) -> Result<bool> {
     if data == "[DONE]" {
@@ -256,7 +243,7 @@ async fn generate(
     if let Some(key) = key {
         request = request.bearer_auth(key);
     }
-    let mut response = request.send().await?;
+    let response = request.send().await?;
     let status = response.status();
     let mut out = Outcome::default();
     if !status.is_success() {
@@ -278,20 +265,14 @@ async fn generate(
         out.latency = started.elapsed();
         return Ok(out);
     }
-    let mut buffer = String::new();
-    let mut done = false;
-    while !done {
-        let Some(chunk) = response.chunk().await? else {
+    let mut events = response.bytes_stream().eventsource();
+    while let Some(event) = events.next().await {
+        let Event { event, data, .. } = event.context("reading the event stream")?;
+        if out.first_token.is_none() && event != "done" && data != "[DONE]" {
+            out.first_token = Some(started.elapsed());
+        }
+        if read_event(&target.kind, &event, &data, &mut out)? {
             break;
-        };
-        buffer.push_str(&String::from_utf8_lossy(&chunk));
-        while let Some((event, data)) = next_event(&mut buffer) {
-            if out.first_token.is_none() && event != "done" && data != "[DONE]" {
-                out.first_token = Some(started.elapsed());
-            }
-            if read_event(&target.kind, &event, &data, &mut out)? {
-                done = true;
-            }
         }
     }
     out.latency = started.elapsed();
@@ -448,11 +429,6 @@ async fn run_target(
     })
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> Option<f64> {
-    (!sorted.is_empty())
-        .then(|| sorted[((sorted.len() - 1) as f64 * p).round() as usize].as_secs_f64() * 1e3)
-}
-
 fn ms(v: Option<f64>) -> String {
     v.map_or("n/a".into(), |v| format!("{v:.1}"))
 }
@@ -460,18 +436,16 @@ fn ms(v: Option<f64>) -> String {
 /// Per-target figures, as written to results.json and the report.
 fn summary(run: &TargetRun) -> Value {
     let ok: Vec<&Outcome> = run.outcomes.iter().filter(|o| o.error.is_none()).collect();
-    let mut latencies: Vec<Duration> = ok.iter().map(|o| o.latency).collect();
-    latencies.sort();
-    let mut firsts: Vec<Duration> = ok.iter().filter_map(|o| o.first_token).collect();
-    firsts.sort();
+    let latencies = Latencies::of(ok.iter().map(|o| o.latency));
+    let firsts = Latencies::of(ok.iter().filter_map(|o| o.first_token));
     let tokens: u64 = ok.iter().map(|o| o.output_tokens).sum();
     let wall = run.wall.as_secs_f64().max(1e-9);
     json!({
         "target": run.target.name, "url": run.target.url,
         "requests": run.outcomes.len(), "errors": run.outcomes.len() - ok.len(),
         "requests_per_s": ok.len() as f64 / wall, "output_tokens_per_s": tokens as f64 / wall,
-        "latency_ms": {"p50": percentile(&latencies, 0.5), "p95": percentile(&latencies, 0.95), "p99": percentile(&latencies, 0.99)},
-        "ttft_ms": {"p50": percentile(&firsts, 0.5), "p95": percentile(&firsts, 0.95)},
+        "latency_ms": {"p50": latencies.percentile_ms(0.5), "p95": latencies.percentile_ms(0.95), "p99": latencies.percentile_ms(0.99)},
+        "ttft_ms": {"p50": firsts.percentile_ms(0.5), "p95": firsts.percentile_ms(0.95)},
         "first_errors": run.outcomes.iter().filter_map(|o| o.error.clone()).take(3).collect::<Vec<_>>(),
     })
 }
@@ -706,18 +680,21 @@ mod tests {
         assert_eq!(body["parameters"]["do_sample"], true);
     }
 
-    #[test]
-    fn server_sent_events_split_on_blank_lines() {
-        let mut buffer = "event: token\ndata: {\"a\":1}\n\ndata: [DONE]\n\npartial".to_string();
+    #[tokio::test]
+    async fn an_event_reads_whole_across_chunks_that_split_a_character() {
+        let body = "event: token\ndata: {\"text\":\"é\"}\n\ndata: [DONE]\n\n".as_bytes();
+        let split = body.iter().position(|&b| b == 0xC3).unwrap() + 1;
+        let chunks = [body[..split].to_vec(), body[split..].to_vec()];
+        let events: Vec<Event> = futures::stream::iter(chunks.map(Ok::<_, std::io::Error>))
+            .eventsource()
+            .map(|event| event.unwrap())
+            .collect()
+            .await;
+        assert_eq!(events.len(), 2);
         assert_eq!(
-            next_event(&mut buffer),
-            Some(("token".into(), "{\"a\":1}".into()))
+            (events[0].event.as_str(), events[0].data.as_str()),
+            ("token", "{\"text\":\"é\"}")
         );
-        assert_eq!(
-            next_event(&mut buffer),
-            Some((String::new(), "[DONE]".into()))
-        );
-        assert_eq!(next_event(&mut buffer), None);
-        assert_eq!(buffer, "partial");
+        assert_eq!(events[1].data, "[DONE]");
     }
 }

@@ -1,6 +1,7 @@
 //! Hub benchmarks (not tests): a load of simulated workers against a running hub, and the
 //! time each aggregation rule takes next to the memory-bandwidth bound of reading its input.
 
+use super::Latencies;
 use anyhow::{Context, Result};
 use clap::Args;
 use hrm_hub::rules::{self, Rule, Update};
@@ -135,10 +136,6 @@ async fn simulate(url: String, index: usize, rounds: usize) -> Result<Vec<Sample
     Ok(samples)
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
-}
-
 pub fn run_load(args: LoadArgs) -> Result<()> {
     let runtime = tokio::runtime::Runtime::new()?;
     runtime.block_on(async move {
@@ -177,12 +174,12 @@ pub fn run_load(args: LoadArgs) -> Result<()> {
             "route", "requests", "p50 ms", "p99 ms", "errors"
         );
         for route in routes.into_iter().chain(["all"]) {
-            let mut latencies: Vec<Duration> = samples
-                .iter()
-                .filter(|s| route == "all" || s.route == route)
-                .map(|s| s.latency)
-                .collect();
-            latencies.sort();
+            let latencies = Latencies::of(
+                samples
+                    .iter()
+                    .filter(|s| route == "all" || s.route == route)
+                    .map(|s| s.latency),
+            );
             let failed = samples
                 .iter()
                 .filter(|s| (route == "all" || s.route == route) && !s.ok)
@@ -191,8 +188,8 @@ pub fn run_load(args: LoadArgs) -> Result<()> {
                 "{:<22} {:>8} {:>10.2} {:>10.2} {:>7}",
                 route,
                 latencies.len(),
-                percentile(&latencies, 0.5).as_secs_f64() * 1e3,
-                percentile(&latencies, 0.99).as_secs_f64() * 1e3,
+                latencies.percentile_ms(0.5).unwrap_or(f64::NAN),
+                latencies.percentile_ms(0.99).unwrap_or(f64::NAN),
                 failed
             );
         }

@@ -9,6 +9,7 @@ pub mod train;
 
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Subcommand;
@@ -107,4 +108,28 @@ fn measure<T: DeserializeOwned>(mut cmd: Command) -> anyhow::Result<T> {
         .last()
         .context("no output from the measurement")?;
     serde_json::from_str(line).with_context(|| format!("reading {line:?}"))
+}
+
+/// Request latencies, kept in microseconds to three significant figures, read as percentiles in
+/// milliseconds.
+pub struct Latencies(hdrhistogram::Histogram<u64>);
+
+impl Latencies {
+    pub fn of(durations: impl IntoIterator<Item = Duration>) -> Self {
+        let mut histogram = hdrhistogram::Histogram::new(3)
+            .expect("three significant figures is a valid precision");
+        for duration in durations {
+            histogram.saturating_record(u64::try_from(duration.as_micros()).unwrap_or(u64::MAX));
+        }
+        Self(histogram)
+    }
+
+    pub fn len(&self) -> u64 {
+        self.0.len()
+    }
+
+    /// The latency at `quantile` (0 to 1) in milliseconds; none without samples.
+    pub fn percentile_ms(&self, quantile: f64) -> Option<f64> {
+        (self.len() > 0).then(|| self.0.value_at_quantile(quantile) as f64 / 1e3)
+    }
 }

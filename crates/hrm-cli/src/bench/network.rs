@@ -5,10 +5,9 @@
 use anyhow::{Context, Result, bail};
 use candle_core::Device;
 use clap::{Args, ValueEnum};
+use hrm_model::ModelSpec;
 use hrm_model::train::{LocalTraining, update_on_cpu};
-use hrm_model::train::{
-    ModelSpec, build_with_weights, corpus_tokens, evaluate, evaluation_windows,
-};
+use hrm_model::train::{build_with_weights, corpus_tokens, evaluate, evaluation_windows};
 use hrm_wire::samples::decode_samples;
 use hrm_wire::update::{Encoding, Schema, encode_update, read_checkpoint};
 use hrm_wire::{GradientUpload, Hardware, HubClient};

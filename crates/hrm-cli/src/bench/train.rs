@@ -13,7 +13,8 @@ use std::time::Instant;
 use anyhow::Context;
 use candle_core::Device;
 use clap::Args;
-use hrm_model::train::{AdamWConfig, LrSchedule, ModelSpec, ScheduleKind, Trainer};
+use hrm_model::ModelSpec;
+use hrm_model::train::{AdamWConfig, LrSchedule, ScheduleKind, Trainer};
 use serde::{Deserialize, Serialize};
 
 use super::model::bench_ids;

@@ -33,6 +33,7 @@ pub async fn start(mut command: Command, log: &Path, url: &str) -> Process {
         .spawn()
         .unwrap();
     let mut process = Process(child);
+    hrm_wire::install_tls_provider();
     for _ in 0..600 {
         if let Ok(response) = reqwest::get(url).await
             && response.status() == 200

@@ -6,7 +6,8 @@ use std::path::Path;
 use candle_core::DType;
 use candle_nn::VarMap;
 
-use super::{ModelSpec, sorted_vars};
+use super::sorted_vars;
+use crate::ModelSpec;
 use crate::{Error, Result};
 
 /// Writes a Hugging Face checkpoint: `config.json`, `model.safetensors` in `dtype`, and the

@@ -12,7 +12,8 @@ use hrm_wire::update::Schema;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use super::{AdamWConfig, LrSchedule, ModelSpec, ScheduleKind, StepReport, Trainer, sorted_vars};
+use super::{AdamWConfig, LrSchedule, ScheduleKind, StepReport, Trainer, sorted_vars};
+use crate::ModelSpec;
 use crate::{Error, Result};
 
 /// How a volunteer trains on one batch, as the hub prescribes it: fresh AdamW state, a

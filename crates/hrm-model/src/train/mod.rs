@@ -1,6 +1,6 @@
 //! Training on candle's autograd, through the models' one forward pass.
 //!
-//! - [`ModelSpec`] is a trainable architecture's config; it builds the model over a `VarMap` and
+//! - [`ModelSpec`](crate::ModelSpec), an architecture's config, builds the model over a `VarMap` and
 //!   initialises it from a seed (candle's CPU random generator cannot be seeded, so we draw the
 //!   initial weights ourselves).
 //! - [`lm_loss`] is next-token cross-entropy, plus `router_aux_loss_coef` times the load-balancing

@@ -1,8 +1,7 @@
-//! Trainable architectures: their configs, how they are built over a `VarMap`, and their seeded
+//! How a [`ModelSpec`] is trained: its model built over a `VarMap`, and its seeded
 //! initialisation.
 
 use std::collections::HashMap;
-use std::path::Path;
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
@@ -10,77 +9,12 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rand_distr::{Distribution, Normal};
 
-use crate::config::ModelConfig;
-use crate::hrm_text::{HrmText, HrmTextConfig};
-use crate::llama::{Llama, LlamaConfig};
+use crate::config::ModelSpec;
+use crate::hrm_text::HrmText;
+use crate::llama::Llama;
 use crate::{CausalLm, Error, Result};
 
-/// A trainable architecture and its config.
-#[derive(Clone, Debug)]
-pub enum ModelSpec {
-    HrmText(HrmTextConfig),
-    Llama(LlamaConfig),
-}
-
 impl ModelSpec {
-    /// Reads a Hugging Face `config.json` (`model_type` hrm_text, hrm_text_moe or llama).
-    pub fn from_config_file(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        Self::from_config_json(&text, path)
-    }
-
-    /// Parses `config.json` text; `origin` names it in errors.
-    pub fn from_config_json(text: &str, origin: &Path) -> Result<Self> {
-        let path = origin;
-        let probe: serde_json::Value = serde_json::from_str(text).map_err(|e| Error::Config {
-            path: path.into(),
-            message: e.to_string(),
-        })?;
-        match probe["model_type"].as_str() {
-            Some("hrm_text" | "hrm_text_moe") => {
-                Ok(Self::HrmText(HrmTextConfig::from_json(text, path)?))
-            }
-            Some("llama") => Ok(Self::Llama(LlamaConfig::from_json(text, path)?)),
-            other => Err(Error::Config {
-                path: path.into(),
-                message: format!(
-                    "model_type {other:?} cannot be trained; use hrm_text, hrm_text_moe or llama"
-                ),
-            }),
-        }
-    }
-
-    /// The config as transformers writes it (`num_hidden_layers` inflated for HRM-Text).
-    pub fn to_config_json(&self) -> serde_json::Value {
-        match self {
-            Self::HrmText(c) => {
-                let mut c = c.clone();
-                c.num_layers_per_stack = Some(c.layers_per_stack());
-                c.num_hidden_layers = c.cache_slots();
-                let mut json = serde_json::to_value(&c).expect("config serialises");
-                let arch = if c.is_moe() {
-                    "HrmTextMoeForCausalLM"
-                } else {
-                    "HrmTextForCausalLM"
-                };
-                json["architectures"] = serde_json::json!([arch]);
-                json
-            }
-            Self::Llama(c) => {
-                let mut json = serde_json::to_value(c).expect("config serialises");
-                json["architectures"] = serde_json::json!(["LlamaForCausalLM"]);
-                json
-            }
-        }
-    }
-
-    pub fn vocab_size(&self) -> usize {
-        match self {
-            Self::HrmText(c) => c.vocab_size,
-            Self::Llama(c) => c.vocab_size,
-        }
-    }
-
     pub(super) fn aux_loss_coef(&self) -> f64 {
         match self {
             Self::HrmText(c) if c.is_moe() => c.router_aux_loss_coef.unwrap_or(0.01),

@@ -7,7 +7,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
 use serde::Serialize;
 
-use super::{AdamW, AdamWConfig, LrSchedule, ModelSpec, build_with_weights, trainable_vars};
+use super::{AdamW, AdamWConfig, LrSchedule, build_with_weights, trainable_vars};
+use crate::ModelSpec;
 use crate::{CausalLm, Error, ForwardBatch, Logits, Result};
 
 /// The parts of the training objective of one batch.

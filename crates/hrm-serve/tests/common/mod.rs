@@ -58,6 +58,7 @@ impl Server {
 
     /// A server whose scheduler fails or panics on prompts holding the given token ids.
     pub async fn start_with_faults(config: ServeConfig, faults: Faults) -> Self {
+        hrm_wire::install_tls_provider();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let (stop, stopped) = oneshot::channel::<()>();
