@@ -2,7 +2,8 @@
 
 use std::collections::HashMap;
 
-use candle_core::{Device, Tensor, Var};
+use candle_core::{CpuStorage, DType, Device, InplaceOp2, InplaceOp3, Layout, Tensor, Var};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
@@ -114,24 +115,47 @@ impl AdamW {
 
     /// One update with learning rate `lr`; parameters without a gradient are left alone.
     pub fn step(&mut self, grads: &HashMap<String, Tensor>, lr: f64) -> Result<()> {
+        self.step_with(grads, lr, true)
+    }
+
+    /// The same update through candle's tensor ops only, as devices other than the CPU run it:
+    /// the reference the fused step is tested and measured against.
+    pub fn step_composed(&mut self, grads: &HashMap<String, Tensor>, lr: f64) -> Result<()> {
+        self.step_with(grads, lr, false)
+    }
+
+    fn step_with(&mut self, grads: &HashMap<String, Tensor>, lr: f64, fuse: bool) -> Result<()> {
         self.steps += 1;
         let c = &self.config;
         let bias1 = 1.0 - c.beta1.powi(self.steps as i32);
         let bias2 = 1.0 - c.beta2.powi(self.steps as i32);
         for (i, (name, var)) in self.params.iter().enumerate() {
             let Some(g) = grads.get(name) else { continue };
-            let m = ((&self.first[i] * c.beta1)? + (g * (1.0 - c.beta1))?)?;
-            let v = ((&self.second[i] * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
-            let update = ((&m / bias1)? / ((&v / bias2)?.sqrt()? + c.eps)?)?;
             let theta = var.as_tensor();
-            let decayed = if theta.rank() >= 2 && c.weight_decay > 0.0 {
-                (theta * (1.0 - lr * c.weight_decay))?
+            let decay = if theta.rank() >= 2 && c.weight_decay > 0.0 {
+                Some(1.0 - lr * c.weight_decay)
             } else {
-                theta.clone()
+                None
             };
-            var.set(&(decayed - (update * lr)?)?)?;
-            self.first[i] = m;
-            self.second[i] = v;
+            let step = ParamStep {
+                beta1: c.beta1,
+                beta2: c.beta2,
+                bias1,
+                bias2,
+                eps: c.eps,
+                lr,
+                decay,
+            };
+            let (m, v) = (&self.first[i], &self.second[i]);
+            if fuse && fusable([theta, g, m, v]) {
+                m.inplace_op2(g, &FirstMoment(step.beta1))?;
+                v.inplace_op2(g, &SecondMoment(step.beta2))?;
+                theta.inplace_op3(m, v, &step)?;
+            } else {
+                let (m, v) = step.composed(var, g, m, v)?;
+                self.first[i] = m;
+                self.second[i] = v;
+            }
         }
         Ok(())
     }
@@ -140,8 +164,9 @@ impl AdamW {
     pub fn state(&self) -> Result<HashMap<String, Tensor>> {
         let mut state = HashMap::new();
         for (i, (name, _)) in self.params.iter().enumerate() {
-            state.insert(format!("m.{name}"), self.first[i].clone());
-            state.insert(format!("v.{name}"), self.second[i].clone());
+            // Copies: the fused step updates the moments in place.
+            state.insert(format!("m.{name}"), self.first[i].copy()?);
+            state.insert(format!("v.{name}"), self.second[i].copy()?);
         }
         let device = self
             .params
@@ -161,11 +186,265 @@ impl AdamW {
             let v = state
                 .get(&format!("v.{name}"))
                 .ok_or_else(|| missing(name))?;
-            self.first[i] = m.to_dtype(var.dtype())?.to_device(var.device())?;
-            self.second[i] = v.to_dtype(var.dtype())?.to_device(var.device())?;
+            // Copies: the fused step updates the moments in place.
+            self.first[i] = m.to_dtype(var.dtype())?.to_device(var.device())?.copy()?;
+            self.second[i] = v.to_dtype(var.dtype())?.to_device(var.device())?.copy()?;
         }
         let steps = state.get("steps").ok_or_else(|| missing("steps"))?;
         self.steps = steps.to_vec1::<u32>()?[0] as usize;
         Ok(())
+    }
+}
+
+/// One parameter's AdamW update, with the step's constants.
+///
+/// On the CPU in f32 it runs fused ([`fusable`]): one pass updates each moment in place and one
+/// pass updates the parameter in place, with no temporary tensors, in chunks over rayon's pool. Elsewhere it runs as candle
+/// tensor ops ([`ParamStep::composed`]). The two are the same f32 arithmetic in the same order
+/// (candle's `tensor * x` is `t * x + 0`, `tensor / x` is `t * (1 / x) + 0`), so they agree bit
+/// for bit; a test holds them to that.
+#[derive(Clone, Copy, Debug)]
+struct ParamStep {
+    beta1: f64,
+    beta2: f64,
+    bias1: f64,
+    bias2: f64,
+    eps: f64,
+    lr: f64,
+    /// `1 - lr * weight_decay`, for matrices; none for vectors.
+    decay: Option<f64>,
+}
+
+impl ParamStep {
+    /// The update as tensor ops: new moments, and the parameter set.
+    fn composed(&self, var: &Var, g: &Tensor, m: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let m = ((m * self.beta1)? + (g * (1.0 - self.beta1))?)?;
+        let v = ((v * self.beta2)? + (g.sqr()? * (1.0 - self.beta2))?)?;
+        let update = ((&m / self.bias1)? / ((&v / self.bias2)?.sqrt()? + self.eps)?)?;
+        let theta = var.as_tensor();
+        let decayed = match self.decay {
+            Some(decay) => (theta * decay)?,
+            None => theta.clone(),
+        };
+        var.set(&(decayed - (update * self.lr)?)?)?;
+        Ok((m, v))
+    }
+}
+
+/// Whether the fused step applies: every tensor f32, contiguous, on the CPU.
+fn fusable(tensors: [&Tensor; 4]) -> bool {
+    tensors
+        .iter()
+        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous())
+}
+
+/// The contiguous f32 values of a CPU storage.
+fn values<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("fused AdamW needs contiguous tensors".into()))?;
+    Ok(&storage.as_slice::<f32>()?[start..end])
+}
+
+fn values_mut<'a>(
+    storage: &'a mut CpuStorage,
+    layout: &Layout,
+) -> candle_core::Result<&'a mut [f32]> {
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("fused AdamW needs contiguous tensors".into()))?;
+    match storage {
+        CpuStorage::F32(values) => Ok(&mut values[start..end]),
+        _ => Err(candle_core::Error::Msg("fused AdamW needs f32".into())),
+    }
+}
+
+/// Values per parallel task: 256 KiB of each operand, enough to outweigh the hand-off.
+const CHUNK: usize = 1 << 16;
+
+/// `work` over matching chunks of `dst` and `src`, spread over rayon's pool.
+fn par_zip(dst: &mut [f32], src: &[f32], work: impl Fn(&mut [f32], &[f32]) + Sync) {
+    dst.par_chunks_mut(CHUNK)
+        .zip(src.par_chunks(CHUNK))
+        .for_each(|(dst, src)| work(dst, src));
+}
+
+/// `m <- m * beta1 + g * (1 - beta1)`, in place.
+struct FirstMoment(f64);
+
+impl InplaceOp2 for FirstMoment {
+    fn name(&self) -> &'static str {
+        "adamw-first-moment"
+    }
+
+    fn cpu_fwd(
+        &self,
+        m: &mut CpuStorage,
+        m_layout: &Layout,
+        g: &CpuStorage,
+        g_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        let (keep, take) = (self.0 as f32, (1.0 - self.0) as f32);
+        let g = values(g, g_layout)?;
+        par_zip(values_mut(m, m_layout)?, g, |m, g| {
+            for (m, &g) in m.iter_mut().zip(g) {
+                *m = (*m * keep + 0.0) + (g * take + 0.0);
+            }
+        });
+        Ok(())
+    }
+}
+
+/// `v <- v * beta2 + g² * (1 - beta2)`, in place.
+struct SecondMoment(f64);
+
+impl InplaceOp2 for SecondMoment {
+    fn name(&self) -> &'static str {
+        "adamw-second-moment"
+    }
+
+    fn cpu_fwd(
+        &self,
+        v: &mut CpuStorage,
+        v_layout: &Layout,
+        g: &CpuStorage,
+        g_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        let (keep, take) = (self.0 as f32, (1.0 - self.0) as f32);
+        let g = values(g, g_layout)?;
+        par_zip(values_mut(v, v_layout)?, g, |v, g| {
+            for (v, &g) in v.iter_mut().zip(g) {
+                *v = (*v * keep + 0.0) + ((g * g) * take + 0.0);
+            }
+        });
+        Ok(())
+    }
+}
+
+/// `theta <- theta * decay - (m̂ / (sqrt(v̂) + eps)) * lr`, in place, from the new moments.
+impl InplaceOp3 for ParamStep {
+    fn name(&self) -> &'static str {
+        "adamw-apply"
+    }
+
+    fn cpu_fwd(
+        &self,
+        theta: &mut CpuStorage,
+        theta_layout: &Layout,
+        m: &CpuStorage,
+        m_layout: &Layout,
+        v: &CpuStorage,
+        v_layout: &Layout,
+    ) -> candle_core::Result<()> {
+        let (unbias1, unbias2) = ((1.0 / self.bias1) as f32, (1.0 / self.bias2) as f32);
+        let (eps, lr) = (self.eps as f32, self.lr as f32);
+        let decay = self.decay.map(|d| d as f32);
+        let (m, v) = (values(m, m_layout)?, values(v, v_layout)?);
+        let theta = values_mut(theta, theta_layout)?;
+        theta
+            .par_chunks_mut(CHUNK)
+            .zip(m.par_chunks(CHUNK).zip(v.par_chunks(CHUNK)))
+            .for_each(|(theta, (m, v))| {
+                for ((theta, &m), &v) in theta.iter_mut().zip(m).zip(v) {
+                    let update = (m * unbias1 + 0.0) / ((v * unbias2 + 0.0).sqrt() * 1.0 + eps);
+                    let decayed = match decay {
+                        Some(decay) => *theta * decay + 0.0,
+                        None => *theta,
+                    };
+                    *theta = decayed - (update * lr + 0.0);
+                }
+            });
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    fn random(shape: &[usize], rng: &mut StdRng) -> Tensor {
+        let n = shape.iter().product();
+        // Some exact zeros: the sign of a zero is where a careless fusion would differ.
+        let values: Vec<f32> = (0..n)
+            .map(|i| {
+                if i % 7 == 0 {
+                    0.0
+                } else {
+                    rng.random_range(-1.0..1.0)
+                }
+            })
+            .collect();
+        Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f32::to_bits)
+            .collect()
+    }
+
+    #[test]
+    fn the_fused_step_is_the_composed_step_bit_for_bit() {
+        let mut rng = StdRng::seed_from_u64(5);
+        for shape in [vec![33, 17], vec![65]] {
+            let start = random(&shape, &mut rng);
+            let fused = Var::from_tensor(&start.copy().unwrap()).unwrap();
+            let composed = Var::from_tensor(&start.copy().unwrap()).unwrap();
+            let mut optimisers = [&fused, &composed].map(|var| {
+                AdamW::new(vec![("w".into(), var.clone())], AdamWConfig::default()).unwrap()
+            });
+            for step in 0..4 {
+                let grads = HashMap::from([("w".to_string(), random(&shape, &mut rng))]);
+                let lr = 1e-3 * (step + 1) as f64;
+                let fused_state = &optimisers[0];
+                assert!(fusable([
+                    fused.as_tensor(),
+                    &grads["w"],
+                    &fused_state.first[0],
+                    &fused_state.second[0]
+                ]));
+                optimisers[0].step(&grads, lr).unwrap();
+                optimisers[1].step_composed(&grads, lr).unwrap();
+            }
+            assert_eq!(
+                bits(fused.as_tensor()),
+                bits(composed.as_tensor()),
+                "{shape:?}"
+            );
+            let [a, b] = &optimisers;
+            assert_eq!(bits(&a.first[0]), bits(&b.first[0]), "first moment");
+            assert_eq!(bits(&a.second[0]), bits(&b.second[0]), "second moment");
+            assert_ne!(
+                bits(fused.as_tensor()),
+                bits(&start),
+                "the step moved the weights"
+            );
+        }
+    }
+
+    #[test]
+    fn a_saved_state_does_not_move_with_later_steps() {
+        let var =
+            Var::from_tensor(&Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap()).unwrap();
+        let mut opt = AdamW::new(vec![("w".into(), var)], AdamWConfig::default()).unwrap();
+        let grads = HashMap::from([(
+            "w".to_string(),
+            Tensor::ones((4, 4), DType::F32, &Device::Cpu).unwrap(),
+        )]);
+        opt.step(&grads, 1e-2).unwrap();
+        let saved = bits(&opt.state().unwrap()["m.w"]);
+        opt.step(&grads, 1e-2).unwrap();
+        assert_eq!(bits(&opt.state().unwrap()["m.w"]).len(), saved.len());
+        assert_ne!(bits(&opt.state().unwrap()["m.w"]), saved);
+        let state = opt.state().unwrap();
+        let before = bits(&state["m.w"]);
+        opt.step(&grads, 1e-2).unwrap();
+        assert_eq!(bits(&state["m.w"]), before, "the saved moments are a copy");
     }
 }
