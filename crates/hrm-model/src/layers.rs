@@ -99,8 +99,14 @@ impl RmsNorm {
         let dtype = x.dtype();
         let xf = x.to_dtype(DType::F32)?;
         let normed = if xf.track_op() || self.weight.as_ref().is_some_and(|w| w.track_op()) {
-            let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
-            xf.broadcast_div(&(ms + self.eps)?.sqrt()?)?
+            if xf.device().is_cpu() {
+                xf.contiguous()?.apply_op1(crate::fused::RmsNormOp {
+                    eps: self.eps as f32,
+                })?
+            } else {
+                let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
+                xf.broadcast_div(&(ms + self.eps)?.sqrt()?)?
+            }
         } else {
             candle_nn::ops::rms_norm(&xf.contiguous()?, &self.unit, self.eps as f32)?
         };

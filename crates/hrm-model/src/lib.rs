@@ -16,6 +16,7 @@ pub mod config;
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod fused;
 pub mod hrm_text;
 pub mod layers;
 pub mod llama;

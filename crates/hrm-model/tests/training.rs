@@ -188,9 +188,12 @@ fn micro_batches_accumulate_to_the_full_batch() {
         .unwrap();
     assert!((a.loss - b.loss).abs() < 1e-5 && (a.grad_norm - b.grad_norm).abs() < 1e-4);
     assert_eq!(a.tokens, b.tokens);
+    // Adam's first step moves each weight by about lr * g / (|g| + eps): rounding in a gradient
+    // near eps shows up as up to ~1e-5 here, while a wrong accumulation flips whole updates
+    // (2 * lr = 3e-3).
     let diff = max_weight_diff(&weights(&whole.varmap), &weights(&split.varmap));
     assert!(
-        diff < 1e-6,
+        diff < 1e-5,
         "accumulated step differs from the full batch by {diff}"
     );
 }
