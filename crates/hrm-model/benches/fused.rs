@@ -1,13 +1,14 @@
 //! The fused CPU kernels against the same work as candle tensor ops, alternating, in one
-//! process: the AdamW step on 7.3M parameters (the size of the bundled samples), and RMSNorm's
-//! forward and backward passes on a training batch's activations (2048 tokens x 256):
+//! process: the AdamW step on 7.3M parameters (the size of the bundled samples), RMSNorm's
+//! forward and backward passes on a training batch's activations (2048 tokens x 256), and
+//! softmax's on its attention scores (8 sequences x 4 heads x 128 x 128):
 //! `cargo bench -p hrm-model --bench fused`.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use candle_core::{D, DType, Device, Tensor, Var};
-use hrm_model::fused::RmsNormOp;
+use hrm_model::fused::{RmsNormOp, SoftmaxOp};
 use hrm_model::train::{AdamW, AdamWConfig};
 
 const SHAPES: [&[usize]; 4] = [&[2048, 1024], &[1024, 1024], &[4096, 512], &[1024]];
@@ -81,5 +82,18 @@ fn main() {
                     .unwrap(),
             )
         },
+    );
+
+    let shape = (8, 4, 128, 128);
+    let scores = Var::from_tensor(&Tensor::randn(0f32, 3.0, shape, &Device::Cpu).unwrap()).unwrap();
+    let weights = Tensor::randn(0f32, 1.0, shape, &Device::Cpu).unwrap();
+    let forward_backward = |y: Tensor| {
+        let loss = (y * &weights).unwrap().sum_all().unwrap();
+        loss.backward().unwrap();
+    };
+    compare(
+        "softmax forward and backward",
+        || forward_backward(scores.as_tensor().apply_op1(SoftmaxOp).unwrap()),
+        || forward_backward(candle_nn::ops::softmax(scores.as_tensor(), D::Minus1).unwrap()),
     );
 }

@@ -4,6 +4,8 @@
 //!
 //! - [`RmsNormOp`]: `x / sqrt(mean(x²) + eps)` over the last dimension, one pass forward and
 //!   one pass backward (`dx = r (g - y · mean(g y))`, `r = 1 / sqrt(mean(x²) + eps)`).
+//! - [`SoftmaxOp`]: softmax over the last dimension (attention's), one pass forward and one pass
+//!   backward from the output (`dx = y (g - sum(g y))`).
 //!
 //! Each runs on contiguous f32 CPU tensors only; callers use the composed form elsewhere. Rows
 //! are spread over rayon's pool. Tests hold each to the composed form's values and gradients.
@@ -95,6 +97,73 @@ impl CustomOp2 for RmsNormGrad {
     }
 }
 
+/// Softmax over the last dimension, with its backward pass.
+pub struct SoftmaxOp;
+
+impl CustomOp1 for SoftmaxOp {
+    fn name(&self) -> &'static str {
+        "fused-softmax"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, width) = rows(storage, layout)?;
+        let mut y = vec![0.0f32; x.len()];
+        y.par_chunks_mut(width)
+            .zip(x.par_chunks(width))
+            .for_each(|(y, x)| {
+                let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut total = 0.0f32;
+                for (y, &x) in y.iter_mut().zip(x) {
+                    *y = (x - max).exp();
+                    total += *y;
+                }
+                for y in y.iter_mut() {
+                    *y /= total;
+                }
+            });
+        Ok((CpuStorage::F32(y), layout.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let grad = grad.contiguous()?;
+        y.apply_op2_no_bwd(&grad, &SoftmaxGrad).map(Some)
+    }
+}
+
+/// The input gradient of [`SoftmaxOp`], from its output and the output's gradient.
+struct SoftmaxGrad;
+
+impl CustomOp2 for SoftmaxGrad {
+    fn name(&self) -> &'static str {
+        "fused-softmax-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        y_storage: &CpuStorage,
+        y_layout: &Layout,
+        g_storage: &CpuStorage,
+        g_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (y, width) = rows(y_storage, y_layout)?;
+        let (g, _) = rows(g_storage, g_layout)?;
+        let mut dx = vec![0.0f32; y.len()];
+        dx.par_chunks_mut(width)
+            .zip(y.par_chunks(width).zip(g.par_chunks(width)))
+            .for_each(|(dx, (y, g))| {
+                let gy = y.iter().zip(g).map(|(&y, &g)| g * y).sum::<f32>();
+                for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(g) {
+                    *dx = y * (g - gy);
+                }
+            });
+        Ok((CpuStorage::F32(dx), y_layout.shape().clone()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,5 +215,34 @@ mod tests {
         };
         close(&grad(&fused), &grad(&reference), 1e-5);
         assert_eq!(grad(&fused).dtype(), DType::F32);
+    }
+
+    #[test]
+    fn softmax_values_and_gradient_are_the_composed_ones() {
+        let mut rng = StdRng::seed_from_u64(4);
+        let (rows, width) = (29, 77);
+        // Attention scores: large spreads, and masked positions at f32::MIN.
+        let values: Vec<f32> = (0..rows * width)
+            .map(|i| {
+                if i % 11 == 0 {
+                    f32::MIN
+                } else {
+                    rng.random_range(-20.0..20.0)
+                }
+            })
+            .collect();
+        let weights: Vec<f32> = (0..rows * width)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        let weights = Tensor::from_vec(weights, (rows, width), &Device::Cpu).unwrap();
+        let x = Var::from_vec(values, (rows, width), &Device::Cpu).unwrap();
+        let fused = x.as_tensor().apply_op1(SoftmaxOp).unwrap();
+        let reference = candle_nn::ops::softmax(x.as_tensor(), D::Minus1).unwrap();
+        close(&fused, &reference, 1e-6);
+        let grad = |y: &Tensor| {
+            let loss = (y * &weights).unwrap().sum_all().unwrap();
+            loss.backward().unwrap().get(x.as_tensor()).unwrap().clone()
+        };
+        close(&grad(&fused), &grad(&reference), 1e-5);
     }
 }
