@@ -22,15 +22,14 @@ pub struct RmsNormOp {
 fn rows<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<(&'a [f32], usize)> {
     let (start, end) = layout
         .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("fused RMSNorm needs a contiguous tensor".into()))?;
+        .ok_or_else(|| candle_core::Error::Msg("fused kernels need contiguous tensors".into()))?;
     let width = layout.dims().last().copied().unwrap_or(1).max(1);
     Ok((&storage.as_slice::<f32>()?[start..end], width))
 }
 
-/// `1 / sqrt(mean(x²) + eps)` of one row.
-fn inverse_rms(row: &[f32], eps: f32) -> f32 {
-    let mean_square = row.iter().map(|&x| x * x).sum::<f32>() / row.len() as f32;
-    1.0 / (mean_square + eps).sqrt()
+/// `sqrt(mean(x²) + eps)` of one row.
+fn rms(row: &[f32], eps: f32) -> f32 {
+    (row.iter().map(|&x| x * x).sum::<f32>() / row.len() as f32 + eps).sqrt()
 }
 
 impl CustomOp1 for RmsNormOp {
@@ -48,8 +47,8 @@ impl CustomOp1 for RmsNormOp {
         y.par_chunks_mut(width)
             .zip(x.par_chunks(width))
             .for_each(|(y, x)| {
-                let scale =
-                    (x.iter().map(|&v| v * v).sum::<f32>() / width as f32 + self.eps).sqrt();
+                // A division, as the composed form divides.
+                let scale = rms(x, self.eps);
                 for (y, &x) in y.iter_mut().zip(x) {
                     *y = x / scale;
                 }
@@ -87,7 +86,7 @@ impl CustomOp2 for RmsNormGrad {
         dx.par_chunks_mut(width)
             .zip(x.par_chunks(width).zip(g.par_chunks(width)))
             .for_each(|(dx, (x, g))| {
-                let r = inverse_rms(x, self.eps);
+                let r = 1.0 / rms(x, self.eps);
                 let mean_gy = x.iter().zip(g).map(|(&x, &g)| g * x * r).sum::<f32>() / width as f32;
                 for ((dx, &x), &g) in dx.iter_mut().zip(x).zip(g) {
                     *dx = r * (g - x * r * mean_gy);
