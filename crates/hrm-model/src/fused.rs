@@ -9,6 +9,7 @@
 //!
 //! Each runs on contiguous f32 CPU tensors only; callers use the composed form elsewhere. Rows
 //! are spread over rayon's pool. Tests hold each to the composed form's values and gradients.
+//! The slice helpers here also serve the fused AdamW step (`train::optim`).
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
 use rayon::prelude::*;
@@ -18,13 +19,61 @@ pub struct RmsNormOp {
     pub eps: f32,
 }
 
-/// The contiguous f32 values of a CPU storage, and the length of its last dimension.
-fn rows<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<(&'a [f32], usize)> {
-    let (start, end) = layout
+/// The contiguous f32 values of a CPU storage.
+pub(crate) fn values<'a>(
+    storage: &'a CpuStorage,
+    layout: &Layout,
+) -> candle_core::Result<&'a [f32]> {
+    let (start, end) = contiguous(layout)?;
+    Ok(&storage.as_slice::<f32>()?[start..end])
+}
+
+pub(crate) fn values_mut<'a>(
+    storage: &'a mut CpuStorage,
+    layout: &Layout,
+) -> candle_core::Result<&'a mut [f32]> {
+    let (start, end) = contiguous(layout)?;
+    match storage {
+        CpuStorage::F32(values) => Ok(&mut values[start..end]),
+        _ => Err(candle_core::Error::Msg("fused kernels need f32".into())),
+    }
+}
+
+fn contiguous(layout: &Layout) -> candle_core::Result<(usize, usize)> {
+    layout
         .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("fused kernels need contiguous tensors".into()))?;
+        .ok_or_else(|| candle_core::Error::Msg("fused kernels need contiguous tensors".into()))
+}
+
+/// `row(out, x)` over every row (last dimension) of `x`, spread over rayon's pool: a new tensor
+/// of `x`'s shape.
+fn map_rows(
+    storage: &CpuStorage,
+    layout: &Layout,
+    row: impl Fn(&mut [f32], &[f32]) + Sync,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let x = values(storage, layout)?;
     let width = layout.dims().last().copied().unwrap_or(1).max(1);
-    Ok((&storage.as_slice::<f32>()?[start..end], width))
+    let mut out = vec![0.0f32; x.len()];
+    out.par_chunks_mut(width)
+        .zip(x.par_chunks(width))
+        .for_each(|(out, x)| row(out, x));
+    Ok((CpuStorage::F32(out), layout.shape().clone()))
+}
+
+/// `row(out, a, b)` over matching rows of `a` and `b` (of one shape), like [`map_rows`].
+fn map_row_pairs(
+    (a_storage, a_layout): (&CpuStorage, &Layout),
+    (b_storage, b_layout): (&CpuStorage, &Layout),
+    row: impl Fn(&mut [f32], &[f32], &[f32]) + Sync,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let (a, b) = (values(a_storage, a_layout)?, values(b_storage, b_layout)?);
+    let width = a_layout.dims().last().copied().unwrap_or(1).max(1);
+    let mut out = vec![0.0f32; a.len()];
+    out.par_chunks_mut(width)
+        .zip(a.par_chunks(width).zip(b.par_chunks(width)))
+        .for_each(|(out, (a, b))| row(out, a, b));
+    Ok((CpuStorage::F32(out), a_layout.shape().clone()))
 }
 
 /// `sqrt(mean(x²) + eps)` of one row.
@@ -42,18 +91,13 @@ impl CustomOp1 for RmsNormOp {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, width) = rows(storage, layout)?;
-        let mut y = vec![0.0f32; x.len()];
-        y.par_chunks_mut(width)
-            .zip(x.par_chunks(width))
-            .for_each(|(y, x)| {
-                // A division, as the composed form divides.
-                let scale = rms(x, self.eps);
-                for (y, &x) in y.iter_mut().zip(x) {
-                    *y = x / scale;
-                }
-            });
-        Ok((CpuStorage::F32(y), layout.shape().clone()))
+        map_rows(storage, layout, |y, x| {
+            // A division, as the composed form divides.
+            let scale = rms(x, self.eps);
+            for (y, &x) in y.iter_mut().zip(x) {
+                *y = x / scale;
+            }
+        })
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -80,19 +124,13 @@ impl CustomOp2 for RmsNormGrad {
         g_storage: &CpuStorage,
         g_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, width) = rows(x_storage, x_layout)?;
-        let (g, _) = rows(g_storage, g_layout)?;
-        let mut dx = vec![0.0f32; x.len()];
-        dx.par_chunks_mut(width)
-            .zip(x.par_chunks(width).zip(g.par_chunks(width)))
-            .for_each(|(dx, (x, g))| {
-                let r = 1.0 / rms(x, self.eps);
-                let mean_gy = x.iter().zip(g).map(|(&x, &g)| g * x * r).sum::<f32>() / width as f32;
-                for ((dx, &x), &g) in dx.iter_mut().zip(x).zip(g) {
-                    *dx = r * (g - x * r * mean_gy);
-                }
-            });
-        Ok((CpuStorage::F32(dx), x_layout.shape().clone()))
+        map_row_pairs((x_storage, x_layout), (g_storage, g_layout), |dx, x, g| {
+            let r = 1.0 / rms(x, self.eps);
+            let mean_gy = x.iter().zip(g).map(|(&x, &g)| g * x * r).sum::<f32>() / x.len() as f32;
+            for ((dx, &x), &g) in dx.iter_mut().zip(x).zip(g) {
+                *dx = r * (g - x * r * mean_gy);
+            }
+        })
     }
 }
 
@@ -109,22 +147,17 @@ impl CustomOp1 for SoftmaxOp {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, width) = rows(storage, layout)?;
-        let mut y = vec![0.0f32; x.len()];
-        y.par_chunks_mut(width)
-            .zip(x.par_chunks(width))
-            .for_each(|(y, x)| {
-                let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut total = 0.0f32;
-                for (y, &x) in y.iter_mut().zip(x) {
-                    *y = (x - max).exp();
-                    total += *y;
-                }
-                for y in y.iter_mut() {
-                    *y /= total;
-                }
-            });
-        Ok((CpuStorage::F32(y), layout.shape().clone()))
+        map_rows(storage, layout, |y, x| {
+            let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut total = 0.0f32;
+            for (y, &x) in y.iter_mut().zip(x) {
+                *y = (x - max).exp();
+                total += *y;
+            }
+            for y in y.iter_mut() {
+                *y /= total;
+            }
+        })
     }
 
     fn bwd(&self, _x: &Tensor, y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -148,18 +181,12 @@ impl CustomOp2 for SoftmaxGrad {
         g_storage: &CpuStorage,
         g_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (y, width) = rows(y_storage, y_layout)?;
-        let (g, _) = rows(g_storage, g_layout)?;
-        let mut dx = vec![0.0f32; y.len()];
-        dx.par_chunks_mut(width)
-            .zip(y.par_chunks(width).zip(g.par_chunks(width)))
-            .for_each(|(dx, (y, g))| {
-                let gy = y.iter().zip(g).map(|(&y, &g)| g * y).sum::<f32>();
-                for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(g) {
-                    *dx = y * (g - gy);
-                }
-            });
-        Ok((CpuStorage::F32(dx), y_layout.shape().clone()))
+        map_row_pairs((y_storage, y_layout), (g_storage, g_layout), |dx, y, g| {
+            let gy = y.iter().zip(g).map(|(&y, &g)| g * y).sum::<f32>();
+            for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(g) {
+                *dx = y * (g - gy);
+            }
+        })
     }
 }
 

@@ -4,6 +4,8 @@ use std::collections::HashMap;
 
 use candle_core::{CpuStorage, DType, Device, InplaceOp2, InplaceOp3, Layout, Tensor, Var};
 use rayon::prelude::*;
+
+use crate::fused::{values, values_mut};
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
@@ -236,27 +238,6 @@ fn fusable(tensors: [&Tensor; 4]) -> bool {
     tensors
         .iter()
         .all(|t| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous())
-}
-
-/// The contiguous f32 values of a CPU storage.
-fn values<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<&'a [f32]> {
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("fused AdamW needs contiguous tensors".into()))?;
-    Ok(&storage.as_slice::<f32>()?[start..end])
-}
-
-fn values_mut<'a>(
-    storage: &'a mut CpuStorage,
-    layout: &Layout,
-) -> candle_core::Result<&'a mut [f32]> {
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("fused AdamW needs contiguous tensors".into()))?;
-    match storage {
-        CpuStorage::F32(values) => Ok(&mut values[start..end]),
-        _ => Err(candle_core::Error::Msg("fused AdamW needs f32".into())),
-    }
 }
 
 /// Values per parallel task: 256 KiB of each operand, enough to outweigh the hand-off.
