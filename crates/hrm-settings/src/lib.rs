@@ -100,9 +100,15 @@ impl SettingsFile {
     }
 }
 
-impl Provider for SettingsFile {
+/// The file's values as checked, named after the file in figment's errors.
+struct FileLayer {
+    name: String,
+    values: Dict,
+}
+
+impl Provider for FileLayer {
     fn metadata(&self) -> Metadata {
-        Metadata::named(self.describe())
+        Metadata::named(self.name.clone())
     }
 
     fn data(&self) -> figment::Result<Map<Profile, Dict>> {
@@ -153,9 +159,9 @@ pub fn layered_into<T: DeserializeOwned>(
         .map(str::to_string)
         .collect();
     let (flags, defaults) = split(parsed, "", &explicit);
-    let file = SettingsFile {
+    let file = FileLayer {
+        name: file.describe(),
         values: from_file,
-        ..file.clone()
     };
     Figment::new()
         .merge(figment::providers::Serialized::defaults(defaults))

@@ -247,7 +247,8 @@ async fn generate(
     let status = response.status();
     let mut out = Outcome::default();
     if !status.is_success() {
-        bail!("{status}: {}", response.text().await.unwrap_or_default());
+        let body = read_capped(response).await.unwrap_or_default();
+        bail!("{status}: {}", String::from_utf8_lossy(&body));
     }
     let streamed = response
         .headers()
@@ -256,7 +257,7 @@ async fn generate(
         .is_some_and(|v| v.starts_with("text/event-stream"));
     if !streamed {
         // An OpenAI-compatible server without streaming: one JSON answer.
-        let value: Value = response.json().await?;
+        let value: Value = serde_json::from_slice(&read_capped(response).await?)?;
         out.text = value["choices"][0]["text"]
             .as_str()
             .unwrap_or_default()
@@ -265,7 +266,7 @@ async fn generate(
         out.latency = started.elapsed();
         return Ok(out);
     }
-    let mut events = response.bytes_stream().eventsource();
+    let mut events = capped(response.bytes_stream(), MAX_RESPONSE_BYTES).eventsource();
     while let Some(event) = events.next().await {
         let Event { event, data, .. } = event.context("reading the event stream")?;
         if out.first_token.is_none() && event != "done" && data != "[DONE]" {
@@ -277,6 +278,38 @@ async fn generate(
     }
     out.latency = started.elapsed();
     Ok(out)
+}
+
+/// The most bytes read from one response: a target that streams without end fails its request
+/// instead of filling the benchmark's memory.
+const MAX_RESPONSE_BYTES: usize = 64 << 20;
+
+/// `chunks` until `limit` bytes in all, then an error.
+fn capped<B: AsRef<[u8]>, E: std::error::Error + Send + Sync + 'static>(
+    chunks: impl futures::Stream<Item = Result<B, E>>,
+    limit: usize,
+) -> impl futures::Stream<Item = Result<B, std::io::Error>> {
+    let mut seen = 0usize;
+    chunks.map(move |chunk| {
+        let chunk = chunk.map_err(std::io::Error::other)?;
+        seen += chunk.as_ref().len();
+        if seen > limit {
+            return Err(std::io::Error::other(format!(
+                "the response is longer than {limit} bytes"
+            )));
+        }
+        Ok(chunk)
+    })
+}
+
+/// A whole response body, at most [`MAX_RESPONSE_BYTES`].
+async fn read_capped(response: reqwest::Response) -> Result<Vec<u8>> {
+    let mut body = Vec::new();
+    let mut chunks = std::pin::pin!(capped(response.bytes_stream(), MAX_RESPONSE_BYTES));
+    while let Some(chunk) = chunks.next().await {
+        body.extend_from_slice(&chunk?);
+    }
+    Ok(body)
 }
 
 /// Σ log p(continuation | prompt), where the target can score; `None` where it cannot.
@@ -305,7 +338,7 @@ async fn loglikelihood(
     }
     let response = request.send().await?;
     let status = response.status();
-    let value: Value = response.json().await?;
+    let value: Value = serde_json::from_slice(&read_capped(response).await?)?;
     if !status.is_success() {
         bail!("{status}: {value}");
     }
@@ -678,6 +711,18 @@ mod tests {
         assert_eq!(body["parameters"]["temperature"], 0.7);
         assert_eq!(body["parameters"]["top_p"], 0.9);
         assert_eq!(body["parameters"]["do_sample"], true);
+    }
+
+    #[tokio::test]
+    async fn a_stream_longer_than_the_cap_fails_instead_of_growing() {
+        // A hostile target: one event that never ends.
+        let endless = futures::stream::iter(
+            std::iter::repeat_with(|| Ok::<_, std::io::Error>(b"data: xxxxxxxx".to_vec()))
+                .take(100),
+        );
+        let mut events = std::pin::pin!(capped(endless, 1000).eventsource());
+        let err = events.next().await.unwrap().unwrap_err().to_string();
+        assert!(err.contains("longer than 1000 bytes"), "{err}");
     }
 
     #[tokio::test]
