@@ -150,8 +150,16 @@ impl AdamW {
             };
             let (m, v) = (&self.first[i], &self.second[i]);
             if fuse && fusable([theta, g, m, v]) {
-                m.inplace_op2(g, &FirstMoment(step.beta1))?;
-                v.inplace_op2(g, &SecondMoment(step.beta2))?;
+                let first = Moment {
+                    beta: step.beta1,
+                    squared: false,
+                };
+                let second = Moment {
+                    beta: step.beta2,
+                    squared: true,
+                };
+                m.inplace_op2(g, &first)?;
+                v.inplace_op2(g, &second)?;
                 theta.inplace_op3(m, v, &step)?;
             } else {
                 let (m, v) = step.composed(var, g, m, v)?;
@@ -250,52 +258,32 @@ fn par_zip(dst: &mut [f32], src: &[f32], work: impl Fn(&mut [f32], &[f32]) + Syn
         .for_each(|(dst, src)| work(dst, src));
 }
 
-/// `m <- m * beta1 + g * (1 - beta1)`, in place.
-struct FirstMoment(f64);
-
-impl InplaceOp2 for FirstMoment {
-    fn name(&self) -> &'static str {
-        "adamw-first-moment"
-    }
-
-    fn cpu_fwd(
-        &self,
-        m: &mut CpuStorage,
-        m_layout: &Layout,
-        g: &CpuStorage,
-        g_layout: &Layout,
-    ) -> candle_core::Result<()> {
-        let (keep, take) = (self.0 as f32, (1.0 - self.0) as f32);
-        let g = values(g, g_layout)?;
-        par_zip(values_mut(m, m_layout)?, g, |m, g| {
-            for (m, &g) in m.iter_mut().zip(g) {
-                *m = (*m * keep + 0.0) + (g * take + 0.0);
-            }
-        });
-        Ok(())
-    }
+/// A moment's running mean, in place: `m <- m * beta + g * (1 - beta)` for the first,
+/// `v <- v * beta + g² * (1 - beta)` for the second (`squared`).
+struct Moment {
+    beta: f64,
+    squared: bool,
 }
 
-/// `v <- v * beta2 + g² * (1 - beta2)`, in place.
-struct SecondMoment(f64);
-
-impl InplaceOp2 for SecondMoment {
+impl InplaceOp2 for Moment {
     fn name(&self) -> &'static str {
-        "adamw-second-moment"
+        "adamw-moment"
     }
 
     fn cpu_fwd(
         &self,
-        v: &mut CpuStorage,
-        v_layout: &Layout,
+        moment: &mut CpuStorage,
+        moment_layout: &Layout,
         g: &CpuStorage,
         g_layout: &Layout,
     ) -> candle_core::Result<()> {
-        let (keep, take) = (self.0 as f32, (1.0 - self.0) as f32);
+        let (keep, take) = (self.beta as f32, (1.0 - self.beta) as f32);
+        let squared = self.squared;
         let g = values(g, g_layout)?;
-        par_zip(values_mut(v, v_layout)?, g, |v, g| {
-            for (v, &g) in v.iter_mut().zip(g) {
-                *v = (*v * keep + 0.0) + ((g * g) * take + 0.0);
+        par_zip(values_mut(moment, moment_layout)?, g, |moment, g| {
+            for (moment, &g) in moment.iter_mut().zip(g) {
+                let g = if squared { g * g } else { g };
+                *moment = (*moment * keep + 0.0) + (g * take + 0.0);
             }
         });
         Ok(())
