@@ -6,17 +6,32 @@
 //!   one pass backward (`dx = r (g - y · mean(g y))`, `r = 1 / sqrt(mean(x²) + eps)`).
 //! - [`SoftmaxOp`]: softmax over the last dimension (attention's), one pass forward and one pass
 //!   backward from the output (`dx = y (g - sum(g y))`).
+//! - [`SwiGluOp`]: `silu(gate) · up`, one pass forward, one pass for each input's gradient.
+//! - [`RopeOp`]: the rotary embedding of `[batch, heads, seq, head_dim]`; its backward pass is
+//!   the same kernel turning the other way (`sin → -sin`).
+//! - [`cross_entropy`]: mean next-token cross-entropy over the vocabulary, one pass forward and
+//!   one pass backward (`dx = (softmax(x) - onehot(label)) · g`), no `[rows, vocab]` temporaries
+//!   besides the gradient itself.
 //!
-//! Each runs on contiguous f32 CPU tensors only; callers use the composed form elsewhere. Rows
+//! Each runs on f32 CPU tensors whose rows (last dimension) are contiguous at one stride, so a
+//! `narrow` of the last dimension needs no copy; callers use the composed form elsewhere. Rows
 //! are spread over rayon's pool. Tests hold each to the composed form's values and gradients.
 //! The slice helpers here also serve the fused AdamW step (`train::optim`).
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Tensor};
+use std::sync::Arc;
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Storage, Tensor};
 use rayon::prelude::*;
+
+use crate::layers::RopeLayout;
 
 /// Root-mean-square normalisation without a scale, with its backward pass.
 pub struct RmsNormOp {
     pub eps: f32,
+}
+
+fn error(message: &str) -> candle_core::Error {
+    candle_core::Error::Msg(format!("fused kernels: {message}"))
 }
 
 /// The contiguous f32 values of a CPU storage.
@@ -35,29 +50,112 @@ pub(crate) fn values_mut<'a>(
     let (start, end) = contiguous(layout)?;
     match storage {
         CpuStorage::F32(values) => Ok(&mut values[start..end]),
-        _ => Err(candle_core::Error::Msg("fused kernels need f32".into())),
+        _ => Err(error("f32 only")),
     }
 }
 
 fn contiguous(layout: &Layout) -> candle_core::Result<(usize, usize)> {
     layout
         .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("fused kernels need contiguous tensors".into()))
+        .ok_or_else(|| error("contiguous tensors only"))
 }
 
-/// `row(out, x)` over every row (last dimension) of `x`, spread over rayon's pool: a new tensor
-/// of `x`'s shape.
+/// The rows (last dimension) of a tensor whose rows are each contiguous and lie at one stride:
+/// a contiguous tensor, or a `narrow` of one along its last dimension.
+struct Rows<'a> {
+    values: &'a [f32],
+    stride: usize,
+    width: usize,
+    count: usize,
+}
+
+impl<'a> Rows<'a> {
+    fn new(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<Self> {
+        let stride =
+            row_stride(layout).ok_or_else(|| error("rows must be contiguous, at one stride"))?;
+        let dims = layout.dims();
+        let width = dims.last().copied().unwrap_or(1);
+        let count = dims.iter().rev().skip(1).product::<usize>();
+        let start = layout.start_offset();
+        let len = if count == 0 || width == 0 {
+            0
+        } else {
+            (count - 1) * stride + width
+        };
+        let values = storage
+            .as_slice::<f32>()?
+            .get(start..start + len)
+            .ok_or_else(|| error("layout outside its storage"))?;
+        Ok(Self {
+            values,
+            stride,
+            width,
+            count,
+        })
+    }
+
+    fn row(&self, i: usize) -> &'a [f32] {
+        &self.values[i * self.stride..i * self.stride + self.width]
+    }
+}
+
+/// The distance between a layout's rows if each row is contiguous and they lie at one stride.
+fn row_stride(layout: &Layout) -> Option<usize> {
+    let (dims, strides) = (layout.dims(), layout.stride());
+    let Some((&width, leading)) = dims.split_last() else {
+        return Some(1);
+    };
+    if width > 1 && strides[leading.len()] != 1 {
+        return None;
+    }
+    // Dimensions of size one can carry any stride; the others must nest without gaps.
+    let outer: Vec<(usize, usize)> = leading
+        .iter()
+        .zip(strides)
+        .filter(|&(&d, _)| d > 1)
+        .map(|(&d, &s)| (d, s))
+        .collect();
+    let Some(&(_, row)) = outer.last() else {
+        return Some(width);
+    };
+    let mut expected = row;
+    for &(d, s) in outer.iter().rev() {
+        if s != expected {
+            return None;
+        }
+        expected *= d;
+    }
+    (row >= width).then_some(row)
+}
+
+/// `x` itself where the fused kernels can read its rows in place, else a contiguous copy.
+fn row_readable(x: &Tensor) -> candle_core::Result<Tensor> {
+    if row_stride(x.layout()).is_some() {
+        Ok(x.clone())
+    } else {
+        x.contiguous()
+    }
+}
+
+/// A new `[rows, width]` buffer filled row by row by `fill(row_index, out_row)`, in parallel.
+fn fill_rows(count: usize, width: usize, fill: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
+    let mut out = vec![0.0f32; count * width];
+    if width > 0 {
+        out.par_chunks_mut(width)
+            .enumerate()
+            .for_each(|(i, out)| fill(i, out));
+    }
+    out
+}
+
+/// `row(out, x)` over every row (last dimension) of `x`: a new contiguous tensor of `x`'s shape.
 fn map_rows(
     storage: &CpuStorage,
     layout: &Layout,
     row: impl Fn(&mut [f32], &[f32]) + Sync,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let x = values(storage, layout)?;
-    let width = layout.dims().last().copied().unwrap_or(1).max(1);
-    let mut out = vec![0.0f32; x.len()];
-    out.par_chunks_mut(width)
-        .zip(x.par_chunks(width))
-        .for_each(|(out, x)| row(out, x));
+    let x = Rows::new(storage, layout)?;
+    let out = fill_rows(x.count, x.width, |i, out| row(out, x.row(i)));
     Ok((CpuStorage::F32(out), layout.shape().clone()))
 }
 
@@ -67,13 +165,21 @@ fn map_row_pairs(
     (b_storage, b_layout): (&CpuStorage, &Layout),
     row: impl Fn(&mut [f32], &[f32], &[f32]) + Sync,
 ) -> candle_core::Result<(CpuStorage, Shape)> {
-    let (a, b) = (values(a_storage, a_layout)?, values(b_storage, b_layout)?);
-    let width = a_layout.dims().last().copied().unwrap_or(1).max(1);
-    let mut out = vec![0.0f32; a.len()];
-    out.par_chunks_mut(width)
-        .zip(a.par_chunks(width).zip(b.par_chunks(width)))
-        .for_each(|(out, (a, b))| row(out, a, b));
+    same_shape(a_layout, b_layout)?;
+    let (a, b) = (
+        Rows::new(a_storage, a_layout)?,
+        Rows::new(b_storage, b_layout)?,
+    );
+    let out = fill_rows(a.count, a.width, |i, out| row(out, a.row(i), b.row(i)));
     Ok((CpuStorage::F32(out), a_layout.shape().clone()))
+}
+
+fn same_shape(a: &Layout, b: &Layout) -> candle_core::Result<()> {
+    if a.dims() == b.dims() {
+        Ok(())
+    } else {
+        Err(error("operands of different shapes"))
+    }
 }
 
 /// `sqrt(mean(x²) + eps)` of one row.
@@ -190,9 +296,292 @@ impl CustomOp2 for SoftmaxGrad {
     }
 }
 
+/// `silu(gate) · up` (SwiGLU's gating), with its backward pass.
+pub struct SwiGluOp;
+
+/// `x · sigmoid(x)` as candle computes it, and `sigmoid(x)`.
+fn silu_and_sigmoid(x: f32) -> (f32, f32) {
+    let denominator = 1.0 + (-x).exp();
+    (x / denominator, 1.0 / denominator)
+}
+
+impl CustomOp2 for SwiGluOp {
+    fn name(&self) -> &'static str {
+        "fused-swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        gate_storage: &CpuStorage,
+        gate_layout: &Layout,
+        up_storage: &CpuStorage,
+        up_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        map_row_pairs(
+            (gate_storage, gate_layout),
+            (up_storage, up_layout),
+            |out, gate, up| {
+                for ((out, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                    *out = silu_and_sigmoid(g).0 * u;
+                }
+            },
+        )
+    }
+
+    fn bwd(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = row_readable(grad)?;
+        let d_gate = gate.apply_op3_no_bwd(up, &grad, &SwiGluGateGrad)?;
+        let d_up = gate.apply_op2_no_bwd(&grad, &SwiGluUpGrad)?;
+        Ok((Some(d_gate), Some(d_up)))
+    }
+}
+
+/// `silu(gate) · up` on the CPU in f32 with the fused kernel (gradients included), elsewhere
+/// composed.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
+    if gate.device().is_cpu() && gate.dtype() == candle_core::DType::F32 {
+        row_readable(gate)?.apply_op2(&row_readable(up)?, SwiGluOp)
+    } else {
+        gate.silu()? * up
+    }
+}
+
+/// The gradient of [`SwiGluOp`] with respect to its gate:
+/// `g · up · sigmoid(gate) · (1 + gate · (1 - sigmoid(gate)))`.
+struct SwiGluGateGrad;
+
+impl CustomOp3 for SwiGluGateGrad {
+    fn name(&self) -> &'static str {
+        "fused-swiglu-gate-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        gate_storage: &CpuStorage,
+        gate_layout: &Layout,
+        up_storage: &CpuStorage,
+        up_layout: &Layout,
+        grad_storage: &CpuStorage,
+        grad_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        same_shape(gate_layout, up_layout)?;
+        same_shape(gate_layout, grad_layout)?;
+        let gate = Rows::new(gate_storage, gate_layout)?;
+        let up = Rows::new(up_storage, up_layout)?;
+        let grad = Rows::new(grad_storage, grad_layout)?;
+        let out = fill_rows(gate.count, gate.width, |i, out| {
+            let rows = gate.row(i).iter().zip(up.row(i)).zip(grad.row(i));
+            for (out, ((&x, &u), &g)) in out.iter_mut().zip(rows) {
+                let (_, s) = silu_and_sigmoid(x);
+                *out = g * u * s * (1.0 + x * (1.0 - s));
+            }
+        });
+        Ok((CpuStorage::F32(out), gate_layout.shape().clone()))
+    }
+}
+
+/// The gradient of [`SwiGluOp`] with respect to `up`: `g · silu(gate)`.
+struct SwiGluUpGrad;
+
+impl CustomOp2 for SwiGluUpGrad {
+    fn name(&self) -> &'static str {
+        "fused-swiglu-up-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        gate_storage: &CpuStorage,
+        gate_layout: &Layout,
+        grad_storage: &CpuStorage,
+        grad_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        map_row_pairs(
+            (gate_storage, gate_layout),
+            (grad_storage, grad_layout),
+            |out, gate, grad| {
+                for ((out, &x), &g) in out.iter_mut().zip(gate).zip(grad) {
+                    *out = g * silu_and_sigmoid(x).0;
+                }
+            },
+        )
+    }
+}
+
+/// The rotary embedding of `[batch, heads, seq, head_dim]` by the angles `cos`, `sin` of shape
+/// `[batch, seq, head_dim / 2]`; its backward pass rotates the gradient back.
+pub struct RopeOp {
+    pub cos: Tensor,
+    pub sin: Tensor,
+    pub layout: RopeLayout,
+}
+
+/// The contiguous f32 values of a CPU tensor held by an op (not one of its operands).
+fn held_values(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        Storage::Cpu(cpu) => Ok(values(cpu, layout)?.to_vec()),
+        _ => Err(error("CPU tensors only")),
+    }
+}
+
+impl CustomOp1 for RopeOp {
+    fn name(&self) -> &'static str {
+        "fused-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (b, h, s, d) = layout.shape().dims4()?;
+        let half = d / 2;
+        if d % 2 != 0 || self.cos.dims() != [b, s, half] || self.sin.dims() != [b, s, half] {
+            return Err(error("rope needs [b, h, s, d] with angles [b, s, d / 2]"));
+        }
+        let (cos, sin) = (held_values(&self.cos)?, held_values(&self.sin)?);
+        let x = values(storage, layout)?;
+        // One row per (batch, head, position); its angles are those of (batch, position).
+        let out = fill_rows(b * h * s, d, |row, out| {
+            let (batch, position) = (row / (h * s), row % s);
+            let at = (batch * s + position) * half;
+            let (cos, sin) = (&cos[at..at + half], &sin[at..at + half]);
+            let x = &x[row * d..(row + 1) * d];
+            for i in 0..half {
+                let (a, b) = match self.layout {
+                    RopeLayout::Halves => (i, i + half),
+                    RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+                };
+                out[a] = x[a] * cos[i] - x[b] * sin[i];
+                out[b] = x[a] * sin[i] + x[b] * cos[i];
+            }
+        });
+        Ok((CpuStorage::F32(out), layout.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let back = RopeOp {
+            cos: self.cos.clone(),
+            sin: self.sin.neg()?,
+            layout: self.layout,
+        };
+        grad.contiguous()?.apply_op1_no_bwd(&back).map(Some)
+    }
+}
+
+/// Mean cross-entropy of `logits` (`[rows, vocab]`) against `labels` (one per row). On the CPU
+/// in f32 the fused kernel with its backward pass; elsewhere candle's composed form.
+pub fn cross_entropy(logits: &Tensor, labels: &[u32]) -> crate::Result<Tensor> {
+    let (rows, vocab) = logits.dims2()?;
+    if labels.len() != rows {
+        return Err(crate::Error::InvalidInput(format!(
+            "{} labels for {rows} rows of logits",
+            labels.len()
+        )));
+    }
+    if let Some(bad) = labels.iter().find(|&&l| l as usize >= vocab) {
+        return Err(crate::Error::InvalidInput(format!(
+            "label {bad} outside the vocabulary of {vocab}"
+        )));
+    }
+    if logits.device().is_cpu() && logits.dtype() == candle_core::DType::F32 {
+        let op = CrossEntropyOp {
+            labels: labels.into(),
+        };
+        Ok(row_readable(logits)?.apply_op1(op)?.mean_all()?)
+    } else {
+        let labels = Tensor::from_slice(labels, rows, logits.device())?;
+        Ok(candle_nn::loss::cross_entropy(logits, &labels)?)
+    }
+}
+
+/// Per-row cross-entropy `logsumexp(x) - x[label]` of `[rows, vocab]` logits, with its backward
+/// pass. Labels are checked against the vocabulary by [`cross_entropy`].
+struct CrossEntropyOp {
+    labels: Arc<[u32]>,
+}
+
+/// `(max, log(sum(exp(x - max))))` of one row: `logsumexp(x) = max + log_total`.
+fn log_sum_exp_parts(row: &[f32]) -> (f32, f32) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let total: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+    (max, total.ln())
+}
+
+impl CustomOp1 for CrossEntropyOp {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = Rows::new(storage, layout)?;
+        let losses = fill_rows(x.count, 1, |i, out| {
+            let row = x.row(i);
+            let (max, log_total) = log_sum_exp_parts(row);
+            // log_softmax(x)[label] = (x[label] - max) - log_total, as candle's composed form.
+            out[0] = -((row[self.labels[i] as usize] - max) - log_total);
+        });
+        Ok((CpuStorage::F32(losses), Shape::from(x.count)))
+    }
+
+    fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        let grad = grad.contiguous()?;
+        let op = CrossEntropyGrad {
+            labels: self.labels.clone(),
+        };
+        x.apply_op2_no_bwd(&grad, &op).map(Some)
+    }
+}
+
+/// The logits' gradient of [`CrossEntropyOp`]: `(softmax(x) - onehot(label)) · g` per row.
+struct CrossEntropyGrad {
+    labels: Arc<[u32]>,
+}
+
+impl CustomOp2 for CrossEntropyGrad {
+    fn name(&self) -> &'static str {
+        "fused-cross-entropy-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_storage: &CpuStorage,
+        x_layout: &Layout,
+        g_storage: &CpuStorage,
+        g_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = Rows::new(x_storage, x_layout)?;
+        let g = values(g_storage, g_layout)?;
+        if g.len() != x.count {
+            return Err(error("one gradient per row"));
+        }
+        let out = fill_rows(x.count, x.width, |i, out| {
+            let row = x.row(i);
+            let (max, log_total) = log_sum_exp_parts(row);
+            for (out, &x) in out.iter_mut().zip(row) {
+                *out = (x - max - log_total).exp() * g[i];
+            }
+            out[self.labels[i] as usize] -= g[i];
+        });
+        Ok((CpuStorage::F32(out), x_layout.shape().clone()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layers::rope_composed;
     use candle_core::{D, DType, Device, Var};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
@@ -270,5 +659,149 @@ mod tests {
             loss.backward().unwrap().get(x.as_tensor()).unwrap().clone()
         };
         close(&grad(&fused), &grad(&reference), 1e-5);
+    }
+
+    /// `count` values drawn uniformly from `range`.
+    fn uniform(rng: &mut StdRng, count: usize, range: std::ops::Range<f32>) -> Vec<f32> {
+        (0..count)
+            .map(|_| rng.random_range(range.clone()))
+            .collect()
+    }
+
+    /// The gradients of `sum(y · weights)` with respect to `inputs`: a loss that weighs every
+    /// output differently, so every term of a gradient counts.
+    fn grads_of(y: &Tensor, weights: &Tensor, inputs: &[&Var]) -> Vec<Tensor> {
+        let loss = (y * weights).unwrap().sum_all().unwrap();
+        let store = loss.backward().unwrap();
+        inputs
+            .iter()
+            .map(|v| store.get(v.as_tensor()).unwrap().clone())
+            .collect()
+    }
+
+    #[test]
+    fn swiglu_values_and_gradients_are_the_composed_ones() {
+        let mut rng = StdRng::seed_from_u64(5);
+        let (rows, width) = (23, 40);
+        // Gate and up as halves of one projection, as the fused checkpoints store them: the
+        // kernel reads the narrowed rows in place.
+        let both = Var::from_vec(
+            uniform(&mut rng, rows * 2 * width, -8.0..8.0),
+            (rows, 2 * width),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let gate = both.as_tensor().narrow(D::Minus1, 0, width).unwrap();
+        let up = both.as_tensor().narrow(D::Minus1, width, width).unwrap();
+        assert!(!gate.is_contiguous());
+        let weights = Tensor::from_vec(
+            uniform(&mut rng, rows * width, -1.0..1.0),
+            (rows, width),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let fused = swiglu(&gate, &up).unwrap();
+        let reference = (gate.silu().unwrap() * &up).unwrap();
+        close(&fused, &reference, 1e-6);
+        close(
+            &grads_of(&fused, &weights, &[&both])[0],
+            &grads_of(&reference, &weights, &[&both])[0],
+            1e-5,
+        );
+    }
+
+    #[test]
+    fn rope_values_and_gradient_are_the_composed_ones_in_both_layouts() {
+        let mut rng = StdRng::seed_from_u64(6);
+        let (b, h, s, d) = (2, 3, 5, 8);
+        let angles: Vec<f32> = uniform(&mut rng, b * s * d / 2, -40.0..40.0);
+        let cos = Tensor::from_vec(
+            angles.iter().map(|a| a.cos()).collect(),
+            (b, s, d / 2),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let sin = Tensor::from_vec(
+            angles.iter().map(|a| a.sin()).collect(),
+            (b, s, d / 2),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let weights = Tensor::from_vec(
+            uniform(&mut rng, b * h * s * d, -1.0..1.0),
+            (b, h, s, d),
+            &Device::Cpu,
+        )
+        .unwrap();
+        for layout in [RopeLayout::Halves, RopeLayout::Interleaved] {
+            let x = Var::from_vec(
+                uniform(&mut rng, b * h * s * d, -3.0..3.0),
+                (b, h, s, d),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let op = RopeOp {
+                cos: cos.clone(),
+                sin: sin.clone(),
+                layout,
+            };
+            let fused = x.as_tensor().apply_op1(op).unwrap();
+            let reference = rope_composed(x.as_tensor(), &cos, &sin, layout).unwrap();
+            close(&fused, &reference, 1e-6);
+            close(
+                &grads_of(&fused, &weights, &[&x])[0],
+                &grads_of(&reference, &weights, &[&x])[0],
+                1e-5,
+            );
+            // Inference's kernel (candle's) agrees with the fused one too.
+            let inference = match layout {
+                RopeLayout::Halves => candle_nn::rotary_emb::rope(x.as_tensor(), &cos, &sin),
+                RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(x.as_tensor(), &cos, &sin),
+            };
+            close(&fused, &inference.unwrap(), 1e-6);
+        }
+    }
+
+    #[test]
+    fn cross_entropy_and_its_gradient_are_candles() {
+        let mut rng = StdRng::seed_from_u64(7);
+        let (rows, vocab) = (31, 301);
+        let x = Var::from_vec(
+            uniform(&mut rng, rows * vocab, -30.0..30.0),
+            (rows, vocab),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let labels: Vec<u32> = (0..rows)
+            .map(|_| rng.random_range(0..vocab as u32))
+            .collect();
+        let fused = cross_entropy(x.as_tensor(), &labels).unwrap();
+        let label_tensor = Tensor::from_slice(&labels, rows, &Device::Cpu).unwrap();
+        let reference = candle_nn::loss::cross_entropy(x.as_tensor(), &label_tensor).unwrap();
+        assert_eq!(fused.dims(), reference.dims());
+        close(&fused, &reference, 1e-6);
+        let grad = |loss: &Tensor| loss.backward().unwrap().get(x.as_tensor()).unwrap().clone();
+        close(&grad(&fused), &grad(&reference), 1e-6);
+    }
+
+    #[test]
+    fn cross_entropy_refuses_labels_outside_the_vocabulary() {
+        let x = Tensor::zeros((2, 5), DType::F32, &Device::Cpu).unwrap();
+        let err = cross_entropy(&x, &[1, 5]).unwrap_err().to_string();
+        assert!(err.contains("label 5 outside the vocabulary of 5"), "{err}");
+        let err = cross_entropy(&x, &[1]).unwrap_err().to_string();
+        assert!(err.contains("1 labels for 2 rows"), "{err}");
+    }
+
+    #[test]
+    fn rows_are_read_in_place_only_where_they_lie_at_one_stride() {
+        let x = Tensor::zeros((2, 3, 8), DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(row_stride(x.layout()), Some(8));
+        assert_eq!(row_stride(x.narrow(2, 4, 4).unwrap().layout()), Some(8));
+        assert_eq!(row_stride(x.unsqueeze(1).unwrap().layout()), Some(8));
+        // A transpose steps through rows, and a narrow of a middle dimension leaves gaps.
+        assert_eq!(row_stride(x.transpose(1, 2).unwrap().layout()), None);
+        assert_eq!(row_stride(x.narrow(1, 0, 2).unwrap().layout()), None);
+        assert_eq!(row_stride(x.narrow(1, 0, 1).unwrap().layout()), Some(24));
     }
 }

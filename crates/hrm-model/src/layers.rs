@@ -3,7 +3,8 @@
 //! decoder block.
 //!
 //! Where candle has a fused kernel without a backward pass (RMSNorm, RoPE, softmax), the op
-//! picks the fused kernel for inference and the composed form when gradients are tracked, so
+//! picks it for inference; when gradients are tracked it picks our fused kernel with its
+//! backward pass ([`crate::fused`]) on the CPU in f32 and the composed form elsewhere, so
 //! training and inference share the same model code.
 
 use candle_core::quantized::QMatMul;
@@ -172,25 +173,42 @@ impl Rotary {
                 RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin),
             };
         }
-        let (b, h, s, d) = x.dims4()?;
-        let cos = cos.unsqueeze(1)?;
-        let sin = sin.unsqueeze(1)?;
-        match self.layout {
-            RopeLayout::Halves => {
-                let x1 = x.narrow(D::Minus1, 0, d / 2)?;
-                let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
-                let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
-                let r2 = (x1.broadcast_mul(&sin)? + x2.broadcast_mul(&cos)?)?;
-                Tensor::cat(&[r1, r2], D::Minus1)
-            }
-            RopeLayout::Interleaved => {
-                let pairs = x.reshape((b, h, s, d / 2, 2))?;
-                let x1 = pairs.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?;
-                let x2 = pairs.narrow(D::Minus1, 1, 1)?.squeeze(D::Minus1)?;
-                let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
-                let r2 = (x1.broadcast_mul(&sin)? + x2.broadcast_mul(&cos)?)?;
-                Tensor::stack(&[r1, r2], D::Minus1)?.reshape((b, h, s, d))
-            }
+        if x.device().is_cpu() && x.dtype() == DType::F32 {
+            return x.apply_op1(crate::fused::RopeOp {
+                cos: cos.clone(),
+                sin: sin.clone(),
+                layout: self.layout,
+            });
+        }
+        rope_composed(&x, cos, sin, self.layout)
+    }
+}
+
+/// The rotary embedding as element-wise tensor ops, differentiable on every device: the form
+/// training uses off the CPU, and the reference the fused kernel is held to.
+pub fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor, layout: RopeLayout) -> Result<Tensor> {
+    let (b, h, s, d) = x.dims4()?;
+    let cos = cos.unsqueeze(1)?;
+    let sin = sin.unsqueeze(1)?;
+    let rotate = |x1: &Tensor, x2: &Tensor| -> Result<(Tensor, Tensor)> {
+        let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+        let r2 = (x1.broadcast_mul(&sin)? + x2.broadcast_mul(&cos)?)?;
+        Ok((r1, r2))
+    };
+    match layout {
+        RopeLayout::Halves => {
+            let (r1, r2) = rotate(
+                &x.narrow(D::Minus1, 0, d / 2)?,
+                &x.narrow(D::Minus1, d / 2, d / 2)?,
+            )?;
+            Tensor::cat(&[r1, r2], D::Minus1)
+        }
+        RopeLayout::Interleaved => {
+            let pairs = x.reshape((b, h, s, d / 2, 2))?;
+            let x1 = pairs.narrow(D::Minus1, 0, 1)?.squeeze(D::Minus1)?;
+            let x2 = pairs.narrow(D::Minus1, 1, 1)?.squeeze(D::Minus1)?;
+            let (r1, r2) = rotate(&x1, &x2)?;
+            Tensor::stack(&[r1, r2], D::Minus1)?.reshape((b, h, s, d))
         }
     }
 }
@@ -314,7 +332,7 @@ impl SwiGlu {
             }
             GateUp::Split { gate, up } => (gate.forward(x)?, up.forward(x)?),
         };
-        self.down.forward(&(gate.silu()? * up)?)
+        self.down.forward(&crate::fused::swiglu(&gate, &up)?)
     }
 
     pub fn weight_bytes(&self) -> usize {

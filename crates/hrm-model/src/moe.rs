@@ -136,7 +136,7 @@ impl MoeMlp {
         let gate_up = x.matmul(&self.gate_up.get(e)?.t()?)?;
         let gate = gate_up.narrow(D::Minus1, 0, self.intermediate)?;
         let up = gate_up.narrow(D::Minus1, self.intermediate, self.intermediate)?;
-        (gate.silu()? * up)?.matmul(&self.down.get(e)?.t()?)
+        crate::fused::swiglu(&gate, &up)?.matmul(&self.down.get(e)?.t()?)
     }
 
     /// Bytes of expert and router weights one token reads (its `top_k` experts).

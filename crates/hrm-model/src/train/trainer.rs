@@ -35,8 +35,7 @@ pub fn lm_loss(model: &dyn CausalLm, rows: &[Vec<u32>], aux_coef: f64) -> Result
     let mut batch = ForwardBatch::full_pass(&inputs, &blocks, Logits::All, info)?;
     let out = model.forward(&mut batch)?;
     let logits = out.logits.flatten_to(1)?.to_dtype(DType::F32)?;
-    let labels = Tensor::from_vec(labels, logits.dim(0)?, &info.device)?;
-    let cross_entropy = candle_nn::loss::cross_entropy(&logits, &labels)?;
+    let cross_entropy = crate::fused::cross_entropy(&logits, &labels)?;
     let total = match &out.aux_loss {
         Some(aux) if aux_coef > 0.0 => (&cross_entropy + (aux.to_dtype(DType::F32)? * aux_coef)?)?,
         _ => cross_entropy.clone(),
