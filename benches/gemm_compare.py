@@ -4,6 +4,7 @@ alternately in one run: OpenBLAS through numpy and PyTorch's CPU matmul (oneDNN 
 the same number of threads.
 
     python3 benches/gemm_compare.py --python /tmp/ref/bin/python --rounds 3
+    python3 benches/gemm_compare.py --python /tmp/ref/bin/python --features avx512-gemm
 
 `--python` is a Python with numpy and torch (the reference environment of tests/reference);
 ours is `cargo bench -p hrm-model --bench matmul` (its shapes are defined there), built first.
@@ -43,8 +44,9 @@ for line in sys.stdin:
 """
 
 
-def ours(reps):
-    cmd = ["cargo", "bench", "-q", "-p", "hrm-model", "--bench", "matmul", "--", "--reps", str(reps)]
+def ours(reps, features):
+    cmd = ["cargo", "bench", "-q", "-p", "hrm-model", "--bench", "matmul", "--features", features,
+           "--", "--reps", str(reps)]
     out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
@@ -63,13 +65,14 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--features", default="", help="hrm-model features for ours, e.g. avx512-gemm")
     args = parser.parse_args()
 
     seconds = {}  # (shape, side) -> [seconds per round]
     shapes = None
     for round_ in range(args.rounds):
         print(f"round {round_ + 1} of {args.rounds}", file=sys.stderr)
-        candle = ours(args.reps)
+        candle = ours(args.reps, args.features)
         shapes = shapes or candle
         for s in candle:
             seconds.setdefault((s["shape"], "candle"), []).append(s["seconds"])

@@ -9,6 +9,10 @@
 //! - [`SwiGluOp`]: `silu(gate) · up`, one pass forward, one pass for each input's gradient.
 //! - [`RopeOp`]: the rotary embedding of `[batch, heads, seq, head_dim]`; its backward pass is
 //!   the same kernel turning the other way (`sin → -sin`).
+//! - [`batched_matmul`]: attention's `scale · A · B` over `[batch, heads]` of small matrices,
+//!   one single-threaded GEMM per matrix spread over rayon's pool (candle runs the matrices one
+//!   after another, each split over the pool, which costs more in hand-offs than small matrices
+//!   take); its backward pass is two more of the same (`dA = scale · G Bᵀ`, `dB = scale · Aᵀ G`).
 //! - [`cross_entropy`]: mean next-token cross-entropy over the vocabulary, one pass forward and
 //!   one pass backward (`dx = (softmax(x) - onehot(label)) · g`), no `[rows, vocab]` temporaries
 //!   besides the gradient itself.
@@ -476,6 +480,152 @@ impl CustomOp1 for RopeOp {
     }
 }
 
+/// `scale · a · b` for `a: [.., m, k]`, `b: [.., k, n]` with the same leading (batch) dimensions.
+/// On the CPU in f32 the batched kernel with its backward pass; elsewhere candle's matmul.
+pub fn batched_matmul(a: &Tensor, b: &Tensor, scale: f64) -> candle_core::Result<Tensor> {
+    let cpu_f32 = a.device().is_cpu() && a.dtype() == candle_core::DType::F32;
+    if cpu_f32 && batch_stride(a.layout()).is_some() && batch_stride(b.layout()).is_some() {
+        a.apply_op2(
+            b,
+            BatchedMatMul {
+                scale: scale as f32,
+            },
+        )
+    } else {
+        a.matmul(b)? * scale
+    }
+}
+
+/// The distance between consecutive matrices of `[.., rows, cols]` if the leading dimensions
+/// nest without gaps (0 for a single matrix).
+fn batch_stride(layout: &Layout) -> Option<usize> {
+    let (dims, strides) = (layout.dims(), layout.stride());
+    let leading = dims.len().checked_sub(2)?;
+    let outer: Vec<(usize, usize)> = dims[..leading]
+        .iter()
+        .zip(strides)
+        .filter(|&(&d, _)| d > 1)
+        .map(|(&d, &s)| (d, s))
+        .collect();
+    let Some(&(_, step)) = outer.last() else {
+        return Some(0);
+    };
+    let mut expected = step;
+    for &(d, s) in outer.iter().rev() {
+        if s != expected {
+            return None;
+        }
+        expected *= d;
+    }
+    Some(step)
+}
+
+/// Multiply-adds below which a batch of products runs on the calling thread.
+const SEQUENTIAL_MATMUL_LIMIT: usize = 1 << 20;
+
+/// `scale · A · B` over a batch of matrices, with its backward pass.
+struct BatchedMatMul {
+    scale: f32,
+}
+
+impl CustomOp2 for BatchedMatMul {
+    fn name(&self) -> &'static str {
+        "fused-batched-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a_storage: &CpuStorage,
+        a_layout: &Layout,
+        b_storage: &CpuStorage,
+        b_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (a_dims, b_dims) = (a_layout.dims(), b_layout.dims());
+        let rank = a_dims.len();
+        if rank < 2 || b_dims.len() != rank || a_dims[..rank - 2] != b_dims[..rank - 2] {
+            return Err(error("batched matmul needs [.., m, k] and [.., k, n]"));
+        }
+        let (m, k, n) = (a_dims[rank - 2], a_dims[rank - 1], b_dims[rank - 1]);
+        if b_dims[rank - 2] != k {
+            return Err(error("batched matmul: inner dimensions differ"));
+        }
+        let count: usize = a_dims[..rank - 2].iter().product();
+        let strides = |layout: &Layout| -> candle_core::Result<(usize, isize, isize)> {
+            let s = layout.stride();
+            let step = batch_stride(layout).ok_or_else(|| error("batch dimensions with gaps"))?;
+            Ok((step, s[rank - 2] as isize, s[rank - 1] as isize))
+        };
+        let ((a_step, a_rs, a_cs), (b_step, b_rs, b_cs)) = (strides(a_layout)?, strides(b_layout)?);
+        let a = &a_storage.as_slice::<f32>()?[a_layout.start_offset()..];
+        let b = &b_storage.as_slice::<f32>()?[b_layout.start_offset()..];
+        // The furthest element each operand's last matrix reads must lie inside its storage.
+        let reach = |step: usize, rows: usize, rs: isize, cols: usize, cs: isize| {
+            (count.max(1) - 1) * step
+                + (rows.max(1) - 1) * rs as usize
+                + (cols.max(1) - 1) * cs as usize
+        };
+        if count * m * n > 0
+            && (reach(a_step, m, a_rs, k, a_cs) >= a.len()
+                || reach(b_step, k, b_rs, n, b_cs) >= b.len())
+        {
+            return Err(error("layout outside its storage"));
+        }
+        let mut out = vec![0.0f32; count * m * n];
+        let product = |(i, out): (usize, &mut [f32])| {
+            // SAFETY: the strides and the reach check above keep every read of matrix `i`
+            // inside `a` and `b`; `out` is this matrix's own m × n row-major block.
+            unsafe {
+                gemm::gemm(
+                    m,
+                    n,
+                    k,
+                    out.as_mut_ptr(),
+                    1,
+                    n as isize,
+                    false,
+                    a.as_ptr().add(i * a_step),
+                    a_cs,
+                    a_rs,
+                    b.as_ptr().add(i * b_step),
+                    b_cs,
+                    b_rs,
+                    0.0,
+                    self.scale,
+                    false,
+                    false,
+                    false,
+                    gemm::Parallelism::None,
+                )
+            }
+        };
+        // A decode step's few one-row products take less time than handing them to the pool.
+        if m * n > 0 {
+            if count * m * n * k < SEQUENTIAL_MATMUL_LIMIT {
+                out.chunks_mut(m * n).enumerate().for_each(product);
+            } else {
+                out.par_chunks_mut(m * n).enumerate().for_each(product);
+            }
+        }
+        let mut shape = a_dims.to_vec();
+        shape[rank - 1] = n;
+        Ok((CpuStorage::F32(out), Shape::from(shape)))
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let op = BatchedMatMul { scale: self.scale };
+        let d_a = grad.apply_op2_no_bwd(&b.t()?, &op)?;
+        let d_b = a.t()?.apply_op2_no_bwd(&grad, &op)?;
+        Ok((Some(d_a), Some(d_b)))
+    }
+}
+
 /// Mean cross-entropy of `logits` (`[rows, vocab]`) against `labels` (one per row). On the CPU
 /// in f32 the fused kernel with its backward pass; elsewhere candle's composed form.
 pub fn cross_entropy(logits: &Tensor, labels: &[u32]) -> crate::Result<Tensor> {
@@ -760,6 +910,64 @@ mod tests {
             };
             close(&fused, &inference.unwrap(), 1e-6);
         }
+    }
+
+    #[test]
+    fn batched_matmul_values_and_gradients_are_candles() {
+        let mut rng = StdRng::seed_from_u64(8);
+        // Attention's shapes: scores = q · kᵀ (a transposed view) scaled, large enough for the
+        // pool (2 × 4 × 64 × 64 × 32 multiply-adds); then one row, small enough for one thread.
+        let (b, h, m, k) = (2, 4, 64, 32);
+        assert!(b * h * m * m * k >= SEQUENTIAL_MATMUL_LIMIT);
+        let q = Var::from_vec(
+            uniform(&mut rng, b * h * m * k, -2.0..2.0),
+            (b, h, m, k),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let keys = Var::from_vec(
+            uniform(&mut rng, b * h * m * k, -2.0..2.0),
+            (b, h, m, k),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let weights = Tensor::from_vec(
+            uniform(&mut rng, b * h * m * m, -1.0..1.0),
+            (b, h, m, m),
+            &Device::Cpu,
+        )
+        .unwrap();
+        let kt = keys.as_tensor().t().unwrap();
+        assert!(!kt.is_contiguous());
+        let fused = batched_matmul(q.as_tensor(), &kt, 0.125).unwrap();
+        let reference = (q.as_tensor().matmul(&kt).unwrap() * 0.125).unwrap();
+        assert_eq!(fused.dims(), &[b, h, m, m]);
+        close(&fused, &reference, 1e-6);
+        let ours = grads_of(&fused, &weights, &[&q, &keys]);
+        let theirs = grads_of(&reference, &weights, &[&q, &keys]);
+        close(&ours[0], &theirs[0], 1e-5);
+        close(&ours[1], &theirs[1], 1e-5);
+
+        // One matrix (no batch dimensions) and a single row, as a decode step has.
+        let a = Tensor::from_vec(uniform(&mut rng, k, -1.0..1.0), (1, k), &Device::Cpu).unwrap();
+        let c =
+            Tensor::from_vec(uniform(&mut rng, k * m, -1.0..1.0), (k, m), &Device::Cpu).unwrap();
+        close(
+            &batched_matmul(&a, &c, 1.0).unwrap(),
+            &a.matmul(&c).unwrap(),
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn batched_matmul_refuses_mismatched_shapes() {
+        let a = Tensor::zeros((2, 3, 4), DType::F32, &Device::Cpu).unwrap();
+        let b = Tensor::zeros((2, 5, 6), DType::F32, &Device::Cpu).unwrap();
+        let err = batched_matmul(&a, &b, 1.0).unwrap_err().to_string();
+        assert!(err.contains("inner dimensions differ"), "{err}");
+        let b = Tensor::zeros((3, 4, 6), DType::F32, &Device::Cpu).unwrap();
+        let err = batched_matmul(&a, &b, 1.0).unwrap_err().to_string();
+        assert!(err.contains("[.., m, k] and [.., k, n]"), "{err}");
     }
 
     #[test]

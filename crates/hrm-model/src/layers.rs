@@ -268,13 +268,13 @@ impl Attention {
         let v = repeat_kv(v, h / kvh)?;
 
         let scale = 1.0 / (d as f64).sqrt();
-        let scores = (q.contiguous()?.matmul(&k.t()?)? * scale)?;
+        let scores = crate::fused::batched_matmul(&q.contiguous()?, &k.t()?, scale)?;
         let scores = match &batch.mask {
             Some(mask) => scores.broadcast_add(mask)?,
             None => scores,
         };
         let probs = softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(q.dtype())?;
-        let out = probs.matmul(&v)?.transpose(1, 2)?; // [b, s, h, d]
+        let out = crate::fused::batched_matmul(&probs, &v, 1.0)?.transpose(1, 2)?; // [b, s, h, d]
         let out = match gate {
             Some(gate) => candle_nn::ops::sigmoid(&gate.reshape((b, s, h, d))?)?.mul(&out)?,
             None => out,
