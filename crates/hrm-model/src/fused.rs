@@ -103,6 +103,28 @@ impl<'a> Rows<'a> {
     }
 }
 
+/// The stride of the innermost of `dims` longer than one, if all of those nest without gaps
+/// (dimensions of length one may carry any stride); `Some(None)` when none is longer than one.
+fn nested_step(dims: &[usize], strides: &[usize]) -> Option<Option<usize>> {
+    let outer: Vec<(usize, usize)> = dims
+        .iter()
+        .zip(strides)
+        .filter(|&(&d, _)| d > 1)
+        .map(|(&d, &s)| (d, s))
+        .collect();
+    let Some(&(_, step)) = outer.last() else {
+        return Some(None);
+    };
+    let mut expected = step;
+    for &(d, s) in outer.iter().rev() {
+        if s != expected {
+            return None;
+        }
+        expected *= d;
+    }
+    Some(Some(step))
+}
+
 /// The distance between a layout's rows if each row is contiguous and they lie at one stride.
 fn row_stride(layout: &Layout) -> Option<usize> {
     let (dims, strides) = (layout.dims(), layout.stride());
@@ -112,24 +134,10 @@ fn row_stride(layout: &Layout) -> Option<usize> {
     if width > 1 && strides[leading.len()] != 1 {
         return None;
     }
-    // Dimensions of size one can carry any stride; the others must nest without gaps.
-    let outer: Vec<(usize, usize)> = leading
-        .iter()
-        .zip(strides)
-        .filter(|&(&d, _)| d > 1)
-        .map(|(&d, &s)| (d, s))
-        .collect();
-    let Some(&(_, row)) = outer.last() else {
-        return Some(width);
-    };
-    let mut expected = row;
-    for &(d, s) in outer.iter().rev() {
-        if s != expected {
-            return None;
-        }
-        expected *= d;
+    match nested_step(leading, strides)? {
+        None => Some(width),
+        Some(row) => (row >= width).then_some(row),
     }
-    (row >= width).then_some(row)
 }
 
 /// `x` itself where the fused kernels can read its rows in place, else a contiguous copy.
@@ -499,25 +507,8 @@ pub fn batched_matmul(a: &Tensor, b: &Tensor, scale: f64) -> candle_core::Result
 /// The distance between consecutive matrices of `[.., rows, cols]` if the leading dimensions
 /// nest without gaps (0 for a single matrix).
 fn batch_stride(layout: &Layout) -> Option<usize> {
-    let (dims, strides) = (layout.dims(), layout.stride());
-    let leading = dims.len().checked_sub(2)?;
-    let outer: Vec<(usize, usize)> = dims[..leading]
-        .iter()
-        .zip(strides)
-        .filter(|&(&d, _)| d > 1)
-        .map(|(&d, &s)| (d, s))
-        .collect();
-    let Some(&(_, step)) = outer.last() else {
-        return Some(0);
-    };
-    let mut expected = step;
-    for &(d, s) in outer.iter().rev() {
-        if s != expected {
-            return None;
-        }
-        expected *= d;
-    }
-    Some(step)
+    let leading = layout.dims().len().checked_sub(2)?;
+    nested_step(&layout.dims()[..leading], layout.stride()).map(|step| step.unwrap_or(0))
 }
 
 /// Multiply-adds below which a batch of products runs on the calling thread.
