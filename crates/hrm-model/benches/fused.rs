@@ -114,11 +114,9 @@ fn main() {
         "RoPE forward and backward",
         || {
             let op = RopeOp {
-                cos: cos.clone(),
-                sin: sin.clone(),
                 layout: RopeLayout::Halves,
             };
-            rope_backward(queries.as_tensor().apply_op1(op).unwrap())
+            rope_backward(queries.as_tensor().apply_op3(&cos, &sin, op).unwrap())
         },
         || {
             let q = queries.as_tensor();

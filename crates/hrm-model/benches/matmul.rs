@@ -11,7 +11,7 @@ use std::time::Instant;
 use candle_core::{Device, Tensor};
 
 /// `(name, batch, m, k, n)`: `batch` products of `[m, k] x [k, n]`.
-pub const SHAPES: [(&str, usize, usize, usize, usize); 10] = [
+const SHAPES: [(&str, usize, usize, usize, usize); 10] = [
     ("train qkv+gate", 1, 1016, 256, 1024),
     ("train gate_up", 1, 1016, 256, 1536),
     ("train down", 1, 1016, 768, 256),

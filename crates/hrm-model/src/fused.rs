@@ -24,7 +24,7 @@
 
 use std::sync::Arc;
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::layers::RopeLayout;
@@ -425,41 +425,37 @@ impl CustomOp2 for SwiGluUpGrad {
     }
 }
 
-/// The rotary embedding of `[batch, heads, seq, head_dim]` by the angles `cos`, `sin` of shape
-/// `[batch, seq, head_dim / 2]`; its backward pass rotates the gradient back.
+/// The rotary embedding of `x: [batch, heads, seq, head_dim]` by the angles `cos`, `sin` of shape
+/// `[batch, seq, head_dim / 2]` (its second and third operands, which take no gradient); its
+/// backward pass rotates the gradient back.
 pub struct RopeOp {
-    pub cos: Tensor,
-    pub sin: Tensor,
     pub layout: RopeLayout,
 }
 
-/// The contiguous f32 values of a CPU tensor held by an op (not one of its operands).
-fn held_values(t: &Tensor) -> candle_core::Result<Vec<f32>> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    match &*storage {
-        Storage::Cpu(cpu) => Ok(values(cpu, layout)?.to_vec()),
-        _ => Err(error("CPU tensors only")),
-    }
-}
-
-impl CustomOp1 for RopeOp {
+impl CustomOp3 for RopeOp {
     fn name(&self) -> &'static str {
         "fused-rope"
     }
 
     fn cpu_fwd(
         &self,
-        storage: &CpuStorage,
-        layout: &Layout,
+        x_storage: &CpuStorage,
+        x_layout: &Layout,
+        cos_storage: &CpuStorage,
+        cos_layout: &Layout,
+        sin_storage: &CpuStorage,
+        sin_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (b, h, s, d) = layout.shape().dims4()?;
+        let (b, h, s, d) = x_layout.shape().dims4()?;
         let half = d / 2;
-        if d % 2 != 0 || self.cos.dims() != [b, s, half] || self.sin.dims() != [b, s, half] {
+        if d % 2 != 0 || cos_layout.dims() != [b, s, half] || sin_layout.dims() != [b, s, half] {
             return Err(error("rope needs [b, h, s, d] with angles [b, s, d / 2]"));
         }
-        let (cos, sin) = (held_values(&self.cos)?, held_values(&self.sin)?);
-        let x = values(storage, layout)?;
+        let x = values(x_storage, x_layout)?;
+        let (cos, sin) = (
+            values(cos_storage, cos_layout)?,
+            values(sin_storage, sin_layout)?,
+        );
         // One row per (batch, head, position); its angles are those of (batch, position).
         let out = fill_rows(b * h * s, d, |row, out| {
             let (batch, position) = (row / (h * s), row % s);
@@ -475,16 +471,21 @@ impl CustomOp1 for RopeOp {
                 out[b] = x[a] * sin[i] + x[b] * cos[i];
             }
         });
-        Ok((CpuStorage::F32(out), layout.shape().clone()))
+        Ok((CpuStorage::F32(out), x_layout.shape().clone()))
     }
 
-    fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let back = RopeOp {
-            cos: self.cos.clone(),
-            sin: self.sin.neg()?,
-            layout: self.layout,
-        };
-        grad.contiguous()?.apply_op1_no_bwd(&back).map(Some)
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let back = grad
+            .contiguous()?
+            .apply_op3_no_bwd(cos, &sin.neg()?, self)?;
+        Ok((Some(back), None, None))
     }
 }
 
@@ -499,6 +500,8 @@ pub fn batched_matmul(a: &Tensor, b: &Tensor, scale: f64) -> candle_core::Result
                 scale: scale as f32,
             },
         )
+    } else if scale == 1.0 {
+        a.matmul(b)
     } else {
         a.matmul(b)? * scale
     }
@@ -676,21 +679,21 @@ impl CustomOp1 for CrossEntropyOp {
         Ok((CpuStorage::F32(losses), Shape::from(x.count)))
     }
 
-    fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        let grad = grad.contiguous()?;
+    fn bwd(&self, x: &Tensor, y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let op = CrossEntropyGrad {
             labels: self.labels.clone(),
         };
-        x.apply_op2_no_bwd(&grad, &op).map(Some)
+        x.apply_op3_no_bwd(y, &grad.contiguous()?, &op).map(Some)
     }
 }
 
-/// The logits' gradient of [`CrossEntropyOp`]: `(softmax(x) - onehot(label)) · g` per row.
+/// The logits' gradient of [`CrossEntropyOp`] from the logits, the forward pass's per-row losses
+/// and their gradient: `(softmax(x) - onehot(label)) · g` per row.
 struct CrossEntropyGrad {
     labels: Arc<[u32]>,
 }
 
-impl CustomOp2 for CrossEntropyGrad {
+impl CustomOp3 for CrossEntropyGrad {
     fn name(&self) -> &'static str {
         "fused-cross-entropy-grad"
     }
@@ -699,21 +702,28 @@ impl CustomOp2 for CrossEntropyGrad {
         &self,
         x_storage: &CpuStorage,
         x_layout: &Layout,
+        loss_storage: &CpuStorage,
+        loss_layout: &Layout,
         g_storage: &CpuStorage,
         g_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = Rows::new(x_storage, x_layout)?;
-        let g = values(g_storage, g_layout)?;
-        if g.len() != x.count {
-            return Err(error("one gradient per row"));
+        let (loss, g) = (
+            values(loss_storage, loss_layout)?,
+            values(g_storage, g_layout)?,
+        );
+        if loss.len() != x.count || g.len() != x.count {
+            return Err(error("one loss and one gradient per row"));
         }
         let out = fill_rows(x.count, x.width, |i, out| {
             let row = x.row(i);
-            let (max, log_total) = log_sum_exp_parts(row);
+            let label = self.labels[i] as usize;
+            // The forward pass's loss is logsumexp(x) - x[label]: no second reduction per row.
+            let log_sum_exp = loss[i] + row[label];
             for (out, &x) in out.iter_mut().zip(row) {
-                *out = (x - max - log_total).exp() * g[i];
+                *out = (x - log_sum_exp).exp() * g[i];
             }
-            out[self.labels[i] as usize] -= g[i];
+            out[label] -= g[i];
         });
         Ok((CpuStorage::F32(out), x_layout.shape().clone()))
     }
@@ -728,6 +738,24 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     const EPS: f64 = 1e-6;
+
+    /// `count` values drawn uniformly from `range`.
+    fn uniform(rng: &mut StdRng, count: usize, range: std::ops::Range<f32>) -> Vec<f32> {
+        (0..count)
+            .map(|_| rng.random_range(range.clone()))
+            .collect()
+    }
+
+    /// A CPU tensor of `shape` drawn uniformly from `range`.
+    fn random(rng: &mut StdRng, shape: impl Into<Shape>, range: std::ops::Range<f32>) -> Tensor {
+        let shape = shape.into();
+        Tensor::from_vec(uniform(rng, shape.elem_count(), range), shape, &Device::Cpu).unwrap()
+    }
+
+    /// [`random`], as a variable to differentiate.
+    fn random_var(rng: &mut StdRng, shape: impl Into<Shape>, range: std::ops::Range<f32>) -> Var {
+        Var::from_tensor(&random(rng, shape, range)).unwrap()
+    }
 
     fn composed(x: &Tensor) -> Tensor {
         let ms = x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
@@ -750,25 +778,15 @@ mod tests {
     fn rms_norm_values_and_gradient_are_the_composed_ones() {
         let mut rng = StdRng::seed_from_u64(3);
         let (rows, width) = (37, 96);
-        let values: Vec<f32> = (0..rows * width)
-            .map(|_| rng.random_range(-3.0..3.0))
-            .collect();
-        let weights: Vec<f32> = (0..rows * width)
-            .map(|_| rng.random_range(-1.0..1.0))
-            .collect();
-        let weights = Tensor::from_vec(weights, (rows, width), &Device::Cpu).unwrap();
-        let x = Var::from_vec(values, (rows, width), &Device::Cpu).unwrap();
+        let x = random_var(&mut rng, (rows, width), -3.0..3.0);
+        let weights = random(&mut rng, (rows, width), -1.0..1.0);
         let fused = x
             .as_tensor()
             .apply_op1(RmsNormOp { eps: EPS as f32 })
             .unwrap();
         let reference = composed(x.as_tensor());
         close(&fused, &reference, 1e-6);
-        // A loss that weighs every output differently, so every term of the gradient counts.
-        let grad = |y: &Tensor| {
-            let loss = (y * &weights).unwrap().sum_all().unwrap();
-            loss.backward().unwrap().get(x.as_tensor()).unwrap().clone()
-        };
+        let grad = |y: &Tensor| grads_of(y, &weights, &[&x]).remove(0);
         close(&grad(&fused), &grad(&reference), 1e-5);
         assert_eq!(grad(&fused).dtype(), DType::F32);
     }
@@ -787,26 +805,13 @@ mod tests {
                 }
             })
             .collect();
-        let weights: Vec<f32> = (0..rows * width)
-            .map(|_| rng.random_range(-1.0..1.0))
-            .collect();
-        let weights = Tensor::from_vec(weights, (rows, width), &Device::Cpu).unwrap();
+        let weights = random(&mut rng, (rows, width), -1.0..1.0);
         let x = Var::from_vec(values, (rows, width), &Device::Cpu).unwrap();
         let fused = x.as_tensor().apply_op1(SoftmaxOp).unwrap();
         let reference = candle_nn::ops::softmax(x.as_tensor(), D::Minus1).unwrap();
         close(&fused, &reference, 1e-6);
-        let grad = |y: &Tensor| {
-            let loss = (y * &weights).unwrap().sum_all().unwrap();
-            loss.backward().unwrap().get(x.as_tensor()).unwrap().clone()
-        };
+        let grad = |y: &Tensor| grads_of(y, &weights, &[&x]).remove(0);
         close(&grad(&fused), &grad(&reference), 1e-5);
-    }
-
-    /// `count` values drawn uniformly from `range`.
-    fn uniform(rng: &mut StdRng, count: usize, range: std::ops::Range<f32>) -> Vec<f32> {
-        (0..count)
-            .map(|_| rng.random_range(range.clone()))
-            .collect()
     }
 
     /// The gradients of `sum(y · weights)` with respect to `inputs`: a loss that weighs every
@@ -826,21 +831,11 @@ mod tests {
         let (rows, width) = (23, 40);
         // Gate and up as halves of one projection, as the fused checkpoints store them: the
         // kernel reads the narrowed rows in place.
-        let both = Var::from_vec(
-            uniform(&mut rng, rows * 2 * width, -8.0..8.0),
-            (rows, 2 * width),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let both = random_var(&mut rng, (rows, 2 * width), -8.0..8.0);
         let gate = both.as_tensor().narrow(D::Minus1, 0, width).unwrap();
         let up = both.as_tensor().narrow(D::Minus1, width, width).unwrap();
         assert!(!gate.is_contiguous());
-        let weights = Tensor::from_vec(
-            uniform(&mut rng, rows * width, -1.0..1.0),
-            (rows, width),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let weights = random(&mut rng, (rows, width), -1.0..1.0);
         let fused = swiglu(&gate, &up).unwrap();
         let reference = (gate.silu().unwrap() * &up).unwrap();
         close(&fused, &reference, 1e-6);
@@ -868,25 +863,13 @@ mod tests {
             &Device::Cpu,
         )
         .unwrap();
-        let weights = Tensor::from_vec(
-            uniform(&mut rng, b * h * s * d, -1.0..1.0),
-            (b, h, s, d),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let weights = random(&mut rng, (b, h, s, d), -1.0..1.0);
         for layout in [RopeLayout::Halves, RopeLayout::Interleaved] {
-            let x = Var::from_vec(
-                uniform(&mut rng, b * h * s * d, -3.0..3.0),
-                (b, h, s, d),
-                &Device::Cpu,
-            )
-            .unwrap();
-            let op = RopeOp {
-                cos: cos.clone(),
-                sin: sin.clone(),
-                layout,
-            };
-            let fused = x.as_tensor().apply_op1(op).unwrap();
+            let x = random_var(&mut rng, (b, h, s, d), -3.0..3.0);
+            let fused = x
+                .as_tensor()
+                .apply_op3(&cos, &sin, RopeOp { layout })
+                .unwrap();
             let reference = rope_composed(x.as_tensor(), &cos, &sin, layout).unwrap();
             close(&fused, &reference, 1e-6);
             close(
@@ -910,24 +893,9 @@ mod tests {
         // pool (2 × 4 × 64 × 64 × 32 multiply-adds); then one row, small enough for one thread.
         let (b, h, m, k) = (2, 4, 64, 32);
         assert!(b * h * m * m * k >= SEQUENTIAL_MATMUL_LIMIT);
-        let q = Var::from_vec(
-            uniform(&mut rng, b * h * m * k, -2.0..2.0),
-            (b, h, m, k),
-            &Device::Cpu,
-        )
-        .unwrap();
-        let keys = Var::from_vec(
-            uniform(&mut rng, b * h * m * k, -2.0..2.0),
-            (b, h, m, k),
-            &Device::Cpu,
-        )
-        .unwrap();
-        let weights = Tensor::from_vec(
-            uniform(&mut rng, b * h * m * m, -1.0..1.0),
-            (b, h, m, m),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let q = random_var(&mut rng, (b, h, m, k), -2.0..2.0);
+        let keys = random_var(&mut rng, (b, h, m, k), -2.0..2.0);
+        let weights = random(&mut rng, (b, h, m, m), -1.0..1.0);
         let kt = keys.as_tensor().t().unwrap();
         assert!(!kt.is_contiguous());
         let fused = batched_matmul(q.as_tensor(), &kt, 0.125).unwrap();
@@ -940,9 +908,8 @@ mod tests {
         close(&ours[1], &theirs[1], 1e-5);
 
         // One matrix (no batch dimensions) and a single row, as a decode step has.
-        let a = Tensor::from_vec(uniform(&mut rng, k, -1.0..1.0), (1, k), &Device::Cpu).unwrap();
-        let c =
-            Tensor::from_vec(uniform(&mut rng, k * m, -1.0..1.0), (k, m), &Device::Cpu).unwrap();
+        let a = random(&mut rng, (1, k), -1.0..1.0);
+        let c = random(&mut rng, (k, m), -1.0..1.0);
         close(
             &batched_matmul(&a, &c, 1.0).unwrap(),
             &a.matmul(&c).unwrap(),
@@ -965,12 +932,7 @@ mod tests {
     fn cross_entropy_and_its_gradient_are_candles() {
         let mut rng = StdRng::seed_from_u64(7);
         let (rows, vocab) = (31, 301);
-        let x = Var::from_vec(
-            uniform(&mut rng, rows * vocab, -30.0..30.0),
-            (rows, vocab),
-            &Device::Cpu,
-        )
-        .unwrap();
+        let x = random_var(&mut rng, (rows, vocab), -30.0..30.0);
         let labels: Vec<u32> = (0..rows)
             .map(|_| rng.random_range(0..vocab as u32))
             .collect();

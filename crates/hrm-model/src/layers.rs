@@ -174,11 +174,10 @@ impl Rotary {
             };
         }
         if x.device().is_cpu() && x.dtype() == DType::F32 {
-            return x.apply_op1(crate::fused::RopeOp {
-                cos: cos.clone(),
-                sin: sin.clone(),
+            let op = crate::fused::RopeOp {
                 layout: self.layout,
-            });
+            };
+            return x.apply_op3(cos, sin, op);
         }
         rope_composed(&x, cos, sin, self.layout)
     }
