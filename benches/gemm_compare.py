@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """candle's f32 matrix multiply (ours) beside a tuned BLAS on the shapes our models run, measured
-alternately in one run: OpenBLAS through numpy and PyTorch's CPU matmul (oneDNN / MKL), all on
+alternately in one run: OpenBLAS through numpy and PyTorch's CPU matmul, all on
 the same number of threads.
 
     python3 benches/gemm_compare.py --python /tmp/ref/bin/python --rounds 3
