@@ -11,17 +11,57 @@ use candle_core::{D, DType, Device, Result, Tensor};
 
 use crate::Logits;
 
-/// The keys and values of one sequence, per attention slot: `[1, kv_heads, len, head_dim]`.
-#[derive(Clone, Debug)]
+/// The keys and values of one sequence, per attention slot.
+///
+/// Each slot keeps `[1, kv_heads, capacity, head_dim]` buffers whose first `len` positions hold
+/// the cache. An append writes its tokens in place and doubles the capacity when the buffers are
+/// full, so a decode step copies its one new token rather than the whole cache, and growing to
+/// `n` tokens copies at most `2n`. Not `Clone`: two caches sharing buffers would write over
+/// each other.
+#[derive(Debug)]
 pub struct SeqCache {
-    slots: Vec<Option<(Tensor, Tensor)>>,
+    slots: Vec<Option<SlotBuffers>>,
     len: usize,
+}
+
+#[derive(Debug)]
+struct SlotBuffers {
+    keys: Tensor,
+    values: Tensor,
+    len: usize,
+}
+
+/// The smallest capacity a slot allocates, in tokens: short decodes never reallocate.
+const MIN_CAPACITY: usize = 64;
+
+impl SlotBuffers {
+    /// Room for `needed` tokens at least, keeping what is cached.
+    fn reserve(&mut self, needed: usize) -> Result<()> {
+        let capacity = self.keys.dim(2)?;
+        if needed <= capacity {
+            return Ok(());
+        }
+        let capacity = needed.max(2 * capacity);
+        self.keys = grown(&self.keys, self.len, capacity)?;
+        self.values = grown(&self.values, self.len, capacity)?;
+        Ok(())
+    }
+}
+
+/// A `[b, h, capacity, d]` buffer holding the first `len` positions of `t`.
+fn grown(t: &Tensor, len: usize, capacity: usize) -> Result<Tensor> {
+    let (b, h, _, d) = t.dims4()?;
+    let buffer = Tensor::zeros((b, h, capacity, d), t.dtype(), t.device())?;
+    if len > 0 {
+        buffer.slice_set(&t.narrow(2, 0, len)?.contiguous()?, 2, 0)?;
+    }
+    Ok(buffer)
 }
 
 impl SeqCache {
     pub fn new(num_slots: usize) -> Self {
         Self {
-            slots: vec![None; num_slots],
+            slots: (0..num_slots).map(|_| None).collect(),
             len: 0,
         }
     }
@@ -35,16 +75,29 @@ impl SeqCache {
         self.len == 0
     }
 
+    /// Appends `[1, kv_heads, new, head_dim]` keys and values to `slot` and returns the slot's
+    /// whole cache (views of its buffers).
     fn append(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let Some(entry) = self.slots.get_mut(slot) else {
             candle_core::bail!("KV-cache slot {slot} out of range ({})", self.slots.len())
         };
-        let (k, v) = match entry.take() {
-            None => (k.contiguous()?, v.contiguous()?),
-            Some((pk, pv)) => (Tensor::cat(&[&pk, k], 2)?, Tensor::cat(&[&pv, v], 2)?),
+        let new = k.dim(2)?;
+        let buffers = match entry {
+            Some(buffers) => buffers,
+            None => entry.insert(SlotBuffers {
+                keys: grown(k, 0, new.max(MIN_CAPACITY))?,
+                values: grown(v, 0, new.max(MIN_CAPACITY))?,
+                len: 0,
+            }),
         };
-        *entry = Some((k.clone(), v.clone()));
-        Ok((k, v))
+        buffers.reserve(buffers.len + new)?;
+        buffers.keys.slice_set(&k.contiguous()?, 2, buffers.len)?;
+        buffers.values.slice_set(&v.contiguous()?, 2, buffers.len)?;
+        buffers.len += new;
+        Ok((
+            buffers.keys.narrow(2, 0, buffers.len)?,
+            buffers.values.narrow(2, 0, buffers.len)?,
+        ))
     }
 }
 
@@ -283,6 +336,54 @@ mod tests {
                     == 0.0
             }
         }
+    }
+
+    /// A prompt, then single tokens past the first capacity and past a doubling: what the cache
+    /// returns is always every appended token in order, and nothing else.
+    #[test]
+    fn appends_in_place_keep_every_token_across_growth() {
+        let device = Device::Cpu;
+        let token = |start: usize, count: usize| {
+            let values: Vec<f32> = (start * 6..(start + count) * 6).map(|v| v as f32).collect();
+            // [1, kv_heads 2, count, head_dim 3], token t's values all derived from t.
+            Tensor::from_vec(values, (1, count, 2, 3), &device)
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+        };
+        let mut cache = SeqCache::new(2);
+        let mut appended = vec![token(0, 5)];
+        let (k, _) = cache
+            .append(1, &appended[0], &(&appended[0] * 2.0).unwrap())
+            .unwrap();
+        assert_eq!(k.dims(), &[1, 2, 5, 3]);
+        for t in 5..2 * MIN_CAPACITY + 7 {
+            let new = token(t, 1);
+            let (k, v) = cache.append(1, &new, &(&new * 2.0).unwrap()).unwrap();
+            appended.push(new);
+            let expected = Tensor::cat(&appended, 2).unwrap();
+            assert_eq!(k.dims(), &[1, 2, t + 1, 3]);
+            let diff = |a: &Tensor, b: &Tensor| {
+                (a - b)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap()
+            };
+            assert_eq!(diff(&k, &expected), 0.0, "keys after {} tokens", t + 1);
+            assert_eq!(
+                diff(&v, &(&expected * 2.0).unwrap()),
+                0.0,
+                "values after {} tokens",
+                t + 1
+            );
+        }
+        assert!(cache.slots[0].is_none(), "the other slot is untouched");
+        let err = cache.append(2, &token(0, 1), &token(0, 1)).unwrap_err();
+        assert!(err.to_string().contains("slot 2 out of range"), "{err}");
     }
 
     #[test]

@@ -13,6 +13,9 @@
 //!   one single-threaded GEMM per matrix spread over rayon's pool (candle runs the matrices one
 //!   after another, each split over the pool, which costs more in hand-offs than small matrices
 //!   take); its backward pass is two more of the same (`dA = scale · G Bᵀ`, `dB = scale · Aᵀ G`).
+//! - [`grouped_matmul`]: a mixture-of-experts block's per-expert products, `x · w[e]` over the
+//!   rows routed to each expert, as one op; its backward pass writes each expert's weight
+//!   gradient into its own block (`dW[e] = xₑᵀ · gₑ`) instead of a full-size gradient per expert.
 //! - [`cross_entropy`]: mean next-token cross-entropy over the vocabulary, one pass forward and
 //!   one pass backward (`dx = (softmax(x) - onehot(label)) · g`), no `[rows, vocab]` temporaries
 //!   besides the gradient itself.
@@ -544,60 +547,29 @@ impl CustomOp2 for BatchedMatMul {
             return Err(error("batched matmul: inner dimensions differ"));
         }
         let count: usize = a_dims[..rank - 2].iter().product();
-        let strides = |layout: &Layout| -> candle_core::Result<(usize, isize, isize)> {
+        let strides = |layout: &Layout| -> candle_core::Result<(usize, (usize, usize))> {
             let s = layout.stride();
             let step = batch_stride(layout).ok_or_else(|| error("batch dimensions with gaps"))?;
-            Ok((step, s[rank - 2] as isize, s[rank - 1] as isize))
+            Ok((step, (s[rank - 2], s[rank - 1])))
         };
-        let ((a_step, a_rs, a_cs), (b_step, b_rs, b_cs)) = (strides(a_layout)?, strides(b_layout)?);
+        let ((a_step, a_strides), (b_step, b_strides)) = (strides(a_layout)?, strides(b_layout)?);
         let a = &a_storage.as_slice::<f32>()?[a_layout.start_offset()..];
         let b = &b_storage.as_slice::<f32>()?[b_layout.start_offset()..];
-        // The furthest element each operand's last matrix reads must lie inside its storage.
-        let reach = |step: usize, rows: usize, rs: isize, cols: usize, cs: isize| {
-            (count.max(1) - 1) * step
-                + (rows.max(1) - 1) * rs as usize
-                + (cols.max(1) - 1) * cs as usize
-        };
-        if count * m * n > 0
-            && (reach(a_step, m, a_rs, k, a_cs) >= a.len()
-                || reach(b_step, k, b_rs, n, b_cs) >= b.len())
-        {
-            return Err(error("layout outside its storage"));
-        }
         let mut out = vec![0.0f32; count * m * n];
-        let product = |(i, out): (usize, &mut [f32])| {
-            // SAFETY: the strides and the reach check above keep every read of matrix `i`
-            // inside `a` and `b`; `out` is this matrix's own m × n row-major block.
-            unsafe {
-                gemm::gemm(
-                    m,
-                    n,
-                    k,
-                    out.as_mut_ptr(),
-                    1,
-                    n as isize,
-                    false,
-                    a.as_ptr().add(i * a_step),
-                    a_cs,
-                    a_rs,
-                    b.as_ptr().add(i * b_step),
-                    b_cs,
-                    b_rs,
-                    0.0,
-                    self.scale,
-                    false,
-                    false,
-                    false,
-                    gemm::Parallelism::None,
-                )
-            }
+        let product = |(i, out): (usize, &mut [f32])| -> candle_core::Result<()> {
+            let a = Strided::matrix(a, i, a_step, (m, k), a_strides)?;
+            let b = Strided::matrix(b, i, b_step, (k, n), b_strides)?;
+            gemm_into(out, &a, &b, (m, k, n), self.scale, gemm::Parallelism::None);
+            Ok(())
         };
         // A decode step's few one-row products take less time than handing them to the pool.
         if m * n > 0 {
             if count * m * n * k < SEQUENTIAL_MATMUL_LIMIT {
-                out.chunks_mut(m * n).enumerate().for_each(product);
+                out.chunks_mut(m * n).enumerate().try_for_each(product)?;
             } else {
-                out.par_chunks_mut(m * n).enumerate().for_each(product);
+                out.par_chunks_mut(m * n)
+                    .enumerate()
+                    .try_for_each(product)?;
             }
         }
         let mut shape = a_dims.to_vec();
@@ -617,6 +589,277 @@ impl CustomOp2 for BatchedMatMul {
         let d_a = grad.apply_op2_no_bwd(&b.t()?, &op)?;
         let d_b = a.t()?.apply_op2_no_bwd(&grad, &op)?;
         Ok((Some(d_a), Some(d_b)))
+    }
+}
+
+/// `x[rows of group e] · w[e]` for `x: [rows, k]`, `w: [groups, k, n]`, where the rows come
+/// sorted by group, `group_sizes[e]` of them for group `e`: the experts of a mixture-of-experts
+/// block, each applied to the rows routed to it, in one op instead of a slice, a product and a
+/// concatenation per expert. On the CPU in f32 the grouped kernel with its backward pass (which
+/// writes each expert's weight gradient into its own block of one `[groups, k, n]` tensor,
+/// instead of padding one full-size gradient per expert); elsewhere the composed form.
+pub fn grouped_matmul(
+    x: &Tensor,
+    w: &Tensor,
+    group_sizes: &[usize],
+) -> candle_core::Result<Tensor> {
+    let (rows, k) = x.dims2()?;
+    let (groups, w_k, _) = w.dims3()?;
+    if w_k != k {
+        return Err(error("grouped matmul: inner dimensions differ"));
+    }
+    check_group_sizes(group_sizes, groups, rows)?;
+    if x.device().is_cpu() && x.dtype() == candle_core::DType::F32 {
+        return x.apply_op2(
+            w,
+            GroupedMatMul {
+                sizes: group_sizes.into(),
+                pass: GroupedPass::Product,
+            },
+        );
+    }
+    grouped_matmul_composed(x, w, group_sizes)
+}
+
+/// [`grouped_matmul`] as one candle product per group: the path off the CPU, and the tests'
+/// reference.
+pub(crate) fn grouped_matmul_composed(
+    x: &Tensor,
+    w: &Tensor,
+    group_sizes: &[usize],
+) -> candle_core::Result<Tensor> {
+    let mut parts = Vec::new();
+    let mut start = 0;
+    for (e, &size) in group_sizes.iter().enumerate() {
+        if size > 0 {
+            parts.push(x.narrow(0, start, size)?.matmul(&w.get(e)?)?);
+        }
+        start += size;
+    }
+    if parts.is_empty() {
+        Tensor::zeros((0, w.dim(2)?), x.dtype(), x.device())
+    } else {
+        Tensor::cat(&parts, 0)
+    }
+}
+
+/// One size per group, summing to the rows.
+fn check_group_sizes(sizes: &[usize], groups: usize, rows: usize) -> candle_core::Result<()> {
+    if sizes.len() == groups && sizes.iter().sum::<usize>() == rows {
+        Ok(())
+    } else {
+        Err(error(
+            "grouped matmul: one size per group, summing to the rows",
+        ))
+    }
+}
+
+/// One matrix of a strided CPU operand: its values from the matrix's first element on, and
+/// its row and column strides.
+struct Strided<'a> {
+    values: &'a [f32],
+    rs: isize,
+    cs: isize,
+}
+
+impl<'a> Strided<'a> {
+    /// Matrix `index` (of `step` elements apart) of `values`, `rows × cols` at strides
+    /// `(rs, cs)`, checked to lie inside `values`.
+    fn matrix(
+        values: &'a [f32],
+        index: usize,
+        step: usize,
+        (rows, cols): (usize, usize),
+        (rs, cs): (usize, usize),
+    ) -> candle_core::Result<Self> {
+        let start = index * step;
+        if rows * cols > 0 && start + (rows - 1) * rs + (cols - 1) * cs >= values.len() {
+            return Err(error("layout outside its storage"));
+        }
+        Ok(Self {
+            values: values.get(start..).unwrap_or(&[]),
+            rs: rs as isize,
+            cs: cs as isize,
+        })
+    }
+
+    /// The transposed view of the same matrix.
+    fn t(self) -> Self {
+        Self {
+            values: self.values,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+}
+
+/// `out = scale · a · b` for `a: m × k`, `b: k × n` into a row-major `out` of `m × n`, which
+/// comes zeroed (so an empty inner dimension leaves it as it is).
+fn gemm_into(
+    out: &mut [f32],
+    a: &Strided,
+    b: &Strided,
+    (m, k, n): (usize, usize, usize),
+    scale: f32,
+    parallelism: gemm::Parallelism,
+) {
+    if m * n * k == 0 {
+        return;
+    }
+    // SAFETY: `Strided::matrix` checked that every element the strides reach lies inside each
+    // operand's values, and `out` holds m × n values in rows of n.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            a.values.as_ptr(),
+            a.cs,
+            a.rs,
+            b.values.as_ptr(),
+            b.cs,
+            b.rs,
+            0.0,
+            scale,
+            false,
+            false,
+            false,
+            parallelism,
+        )
+    }
+}
+
+/// A product of `macs` multiply-adds split over the pool when it is large enough to repay the
+/// hand-off.
+fn pool_for(macs: usize) -> gemm::Parallelism {
+    let threads = rayon::current_num_threads();
+    if macs >= SEQUENTIAL_MATMUL_LIMIT && threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    }
+}
+
+/// The `[rows, k]` operand of a grouped product as (values from its start, row and column
+/// strides).
+fn strided_2d<'a>(
+    storage: &'a CpuStorage,
+    layout: &Layout,
+) -> candle_core::Result<(&'a [f32], (usize, usize))> {
+    let &[rs, cs] = layout.stride() else {
+        return Err(error("grouped matmul: a 2-d operand"));
+    };
+    Ok((
+        &storage.as_slice::<f32>()?[layout.start_offset()..],
+        (rs, cs),
+    ))
+}
+
+/// The kernels of [`grouped_matmul`]: its product, and (for the backward pass) its weight
+/// gradient.
+struct GroupedMatMul {
+    sizes: Arc<[usize]>,
+    pass: GroupedPass,
+}
+
+enum GroupedPass {
+    /// `x: [rows, k]`, `w: [groups, k, n]` → `xₑ · w[e]` per group, `[rows, n]`.
+    Product,
+    /// `x: [rows, k]`, the output's gradient `g: [rows, n]` → `xₑᵀ · gₑ` per group,
+    /// `[groups, k, n]` (zeros for a group that received no rows).
+    WeightGrad,
+}
+
+impl CustomOp2 for GroupedMatMul {
+    fn name(&self) -> &'static str {
+        match self.pass {
+            GroupedPass::Product => "fused-grouped-matmul",
+            GroupedPass::WeightGrad => "fused-grouped-matmul-weight-grad",
+        }
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_storage: &CpuStorage,
+        x_layout: &Layout,
+        other_storage: &CpuStorage,
+        other_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (rows, k) = x_layout.shape().dims2()?;
+        let (x, x_strides) = strided_2d(x_storage, x_layout)?;
+        let group_rows =
+            |start: usize, m: usize| Strided::matrix(x, start, x_strides.0, (m, k), x_strides);
+        let mut start = 0;
+        match self.pass {
+            GroupedPass::Product => {
+                let (groups, _, n) = other_layout.shape().dims3()?;
+                check_group_sizes(&self.sizes, groups, rows)?;
+                let w = &other_storage.as_slice::<f32>()?[other_layout.start_offset()..];
+                let &[w_step, w_rs, w_cs] = other_layout.stride() else {
+                    return Err(error("grouped matmul: a 3-d weight"));
+                };
+                let mut out = vec![0.0f32; rows * n];
+                let mut rest = out.as_mut_slice();
+                for (e, &m) in self.sizes.iter().enumerate() {
+                    let (block, tail) = rest.split_at_mut(m * n);
+                    rest = tail;
+                    let b = Strided::matrix(w, e, w_step, (k, n), (w_rs, w_cs))?;
+                    gemm_into(
+                        block,
+                        &group_rows(start, m)?,
+                        &b,
+                        (m, k, n),
+                        1.0,
+                        pool_for(m * k * n),
+                    );
+                    start += m;
+                }
+                Ok((CpuStorage::F32(out), Shape::from((rows, n))))
+            }
+            GroupedPass::WeightGrad => {
+                let (g_rows, n) = other_layout.shape().dims2()?;
+                if g_rows != rows {
+                    return Err(error("grouped matmul: one gradient row per input row"));
+                }
+                let groups = self.sizes.len();
+                check_group_sizes(&self.sizes, groups, rows)?;
+                let (g, g_strides) = strided_2d(other_storage, other_layout)?;
+                let mut out = vec![0.0f32; groups * k * n];
+                for (block, &m) in out.chunks_mut((k * n).max(1)).zip(self.sizes.iter()) {
+                    let b = Strided::matrix(g, start, g_strides.0, (m, n), g_strides)?;
+                    gemm_into(
+                        block,
+                        &group_rows(start, m)?.t(),
+                        &b,
+                        (k, m, n),
+                        1.0,
+                        pool_for(k * m * n),
+                    );
+                    start += m;
+                }
+                Ok((CpuStorage::F32(out), Shape::from((groups, k, n))))
+            }
+        }
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _out: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let pass = |pass| GroupedMatMul {
+            sizes: self.sizes.clone(),
+            pass,
+        };
+        let d_x = grad.apply_op2_no_bwd(&w.t()?, &pass(GroupedPass::Product))?;
+        let d_w = x.apply_op2_no_bwd(grad, &pass(GroupedPass::WeightGrad))?;
+        Ok((Some(d_x), Some(d_w)))
     }
 }
 
@@ -926,6 +1169,45 @@ mod tests {
         let b = Tensor::zeros((3, 4, 6), DType::F32, &Device::Cpu).unwrap();
         let err = batched_matmul(&a, &b, 1.0).unwrap_err().to_string();
         assert!(err.contains("[.., m, k] and [.., k, n]"), "{err}");
+    }
+
+    #[test]
+    fn grouped_matmul_values_and_gradients_are_one_product_per_group() {
+        let mut rng = StdRng::seed_from_u64(9);
+        // An expert with no rows, and groups large enough for the pool's GEMM.
+        for (sizes, k, n) in [(vec![5, 0, 9, 3], 16, 12), (vec![300, 220], 64, 64)] {
+            let rows: usize = sizes.iter().sum();
+            // The weights as the checkpoints store them, [groups, n, k], read transposed.
+            let w = random_var(&mut rng, (sizes.len(), n, k), -1.0..1.0);
+            let x = random_var(&mut rng, (rows, k), -2.0..2.0);
+            let weights = random(&mut rng, (rows, n), -1.0..1.0);
+            let wt = w.as_tensor().t().unwrap();
+            let fused = grouped_matmul(x.as_tensor(), &wt, &sizes).unwrap();
+            let reference = grouped_matmul_composed(x.as_tensor(), &wt, &sizes).unwrap();
+            assert_eq!(fused.dims(), &[rows, n]);
+            close(&fused, &reference, 1e-5);
+            let ours = grads_of(&fused, &weights, &[&x, &w]);
+            let theirs = grads_of(&reference, &weights, &[&x, &w]);
+            close(&ours[0], &theirs[0], 1e-5);
+            close(&ours[1], &theirs[1], 1e-5);
+        }
+        const { assert!(300 * 64 * 64 >= SEQUENTIAL_MATMUL_LIMIT) };
+    }
+
+    #[test]
+    fn grouped_matmul_refuses_sizes_that_do_not_cover_the_rows() {
+        let x = Tensor::zeros((6, 4), DType::F32, &Device::Cpu).unwrap();
+        let w = Tensor::zeros((2, 4, 3), DType::F32, &Device::Cpu).unwrap();
+        for sizes in [vec![2, 3], vec![6], vec![2, 2, 2]] {
+            let err = grouped_matmul(&x, &w, &sizes).unwrap_err().to_string();
+            assert!(
+                err.contains("one size per group, summing to the rows"),
+                "{err}"
+            );
+        }
+        let w = Tensor::zeros((2, 5, 3), DType::F32, &Device::Cpu).unwrap();
+        let err = grouped_matmul(&x, &w, &[3, 3]).unwrap_err().to_string();
+        assert!(err.contains("inner dimensions differ"), "{err}");
     }
 
     #[test]

@@ -15,7 +15,8 @@ use crate::cache::{ForwardBatch, softmax_last_dim};
 use crate::moe::MoeMlp;
 
 /// A bias-free linear projection, dense or GGUF-quantised. Quantised Q4_1 projections on the
-/// CPU use the kernel in `q4_1.rs` for every pass; everything else uses candle's.
+/// CPU use the kernel in `q4_1.rs` for every pass, dense f32 ones on the CPU the kernel in
+/// `decode_matmul.rs` for decode steps; everything else uses candle's.
 #[derive(Clone, Debug)]
 pub enum Linear {
     Dense(candle_nn::Linear),
@@ -57,6 +58,9 @@ fn dequantize_for(x: &Tensor) -> Result<bool> {
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
+            Self::Dense(l) if crate::decode_matmul::applies(l.weight(), x) => {
+                crate::decode_matmul::forward(l.weight(), x)
+            }
             Self::Dense(l) => l.forward(x),
             Self::Quantized(QMatMul::QTensor(q)) if crate::q4_1::applies(q, x) => {
                 crate::q4_1::forward(q, x)

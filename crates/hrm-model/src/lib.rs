@@ -13,6 +13,7 @@
 
 pub mod cache;
 pub mod config;
+mod decode_matmul;
 pub mod device;
 pub mod engine;
 pub mod error;

@@ -15,6 +15,7 @@ use candle_nn::VarBuilder;
 use candle_nn::init::DEFAULT_KAIMING_NORMAL;
 
 use crate::cache::softmax_last_dim;
+use crate::fused;
 
 #[derive(Clone, Debug)]
 pub struct MoeMlp {
@@ -103,23 +104,26 @@ impl MoeMlp {
         let kept = kept.broadcast_div(&kept.sum_keepdim(1)?)?; // [n, k]
         let kept = kept.to_dtype(x.dtype())?.flatten_all()?;
 
-        let mut out = tokens.zeros_like()?;
-        for (e, &count) in counts.iter().enumerate() {
-            if count == 0 {
-                continue;
-            }
-            let slots: Vec<u32> = (0..n * self.top_k)
-                .filter(|&i| chosen[i] as usize == e)
-                .map(|i| i as u32)
-                .collect();
-            let rows: Vec<u32> = slots.iter().map(|&i| i / self.top_k as u32).collect();
-            let slots = Tensor::from_vec(slots, count, x.device())?;
-            let rows = Tensor::from_vec(rows, count, x.device())?;
-            let expert_in = tokens.index_select(&rows, 0)?;
-            let expert_out = self.expert(e, &expert_in)?;
-            let weights = kept.index_select(&slots, 0)?.unsqueeze(1)?;
-            out = out.index_add(&rows, &expert_out.broadcast_mul(&weights)?, 0)?;
-        }
+        // Routing slots (token-major) grouped by expert, in token order within each expert.
+        let mut by_expert: Vec<u32> = (0..(n * self.top_k) as u32).collect();
+        by_expert.sort_by_key(|&slot| chosen[slot as usize]);
+        let rows: Vec<u32> = by_expert
+            .iter()
+            .map(|&slot| slot / self.top_k as u32)
+            .collect();
+        let rows = Tensor::from_vec(rows, n * self.top_k, x.device())?;
+        let by_expert = Tensor::from_vec(by_expert, n * self.top_k, x.device())?;
+
+        let expert_in = tokens.index_select(&rows, 0)?;
+        let gate_up = fused::grouped_matmul(&expert_in, &self.gate_up.t()?, &counts)?;
+        let gate = gate_up.narrow(D::Minus1, 0, self.intermediate)?;
+        let up = gate_up.narrow(D::Minus1, self.intermediate, self.intermediate)?;
+        let expert_out =
+            fused::grouped_matmul(&fused::swiglu(&gate, &up)?, &self.down.t()?, &counts)?;
+        let weights = kept.index_select(&by_expert, 0)?.unsqueeze(1)?;
+        let out = tokens
+            .zeros_like()?
+            .index_add(&rows, &expert_out.broadcast_mul(&weights)?, 0)?;
 
         let share: Vec<f32> = counts
             .iter()
@@ -130,13 +134,6 @@ impl MoeMlp {
         let mean_prob = probs.mean(0)?;
         let aux = ((mean_prob * share)?.sum_all()? * self.num_experts as f64)?;
         Ok((out.reshape((b, s, hidden))?, aux))
-    }
-
-    fn expert(&self, e: usize, x: &Tensor) -> Result<Tensor> {
-        let gate_up = x.matmul(&self.gate_up.get(e)?.t()?)?;
-        let gate = gate_up.narrow(D::Minus1, 0, self.intermediate)?;
-        let up = gate_up.narrow(D::Minus1, self.intermediate, self.intermediate)?;
-        crate::fused::swiglu(&gate, &up)?.matmul(&self.down.get(e)?.t()?)
     }
 
     /// Bytes of expert and router weights one token reads (its `top_k` experts).

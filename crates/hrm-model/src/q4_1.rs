@@ -6,8 +6,6 @@
 //! weights), quantises the activations to Q8_1 as candle does and keeps candle's float
 //! arithmetic, so its outputs equal candle's bit for bit: switching kernels changes no token.
 
-use std::sync::atomic::{AtomicU32, Ordering};
-
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{D, DType, Result, Tensor};
 
@@ -95,28 +93,20 @@ impl<'a> Q4_1Weights<'a> {
             .map(|b| Q8_1::from(quantize_q8_1(b)))
             .collect();
         let xs: Vec<&[Q8_1]> = xq.chunks_exact(nb).collect();
-        let n = self.out;
-        // Workers finish output rows in any order; relaxed atomics let them write disjoint
-        // elements of one buffer without unsafe, at the cost of a plain store on x86.
-        let dst: Vec<AtomicU32> = (0..rows * n).map(|_| AtomicU32::new(0)).collect();
-        // candle's own persistent pool: the threads its other kernels already keep spinning,
-        // so this adds no second pool competing for the cores.
-        candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        crate::decode_matmul::columns_in_parallel(rows, self.out, |range, block| {
             let w = self.rows(range.clone());
             let mut dots = vec![0f32; range.len() * ROW_TILE];
             for (t, tile) in xs.chunks(ROW_TILE).enumerate() {
                 let dots = &mut dots[..range.len() * tile.len()];
                 kernel.dot_rows(w, nb, tile, dots);
-                for (j, row) in range.clone().zip(dots.chunks_exact(tile.len())) {
-                    for (i, v) in row.iter().enumerate() {
-                        dst[(t * ROW_TILE + i) * n + j].store(v.to_bits(), Ordering::Relaxed);
-                    }
+                for (column, dots) in block
+                    .chunks_exact_mut(rows)
+                    .zip(dots.chunks_exact(tile.len()))
+                {
+                    column[t * ROW_TILE..][..tile.len()].copy_from_slice(dots);
                 }
             }
-        });
-        dst.into_iter()
-            .map(|v| f32::from_bits(v.into_inner()))
-            .collect()
+        })
     }
 }
 

@@ -1,0 +1,328 @@
+//! The CPU product `x · wᵀ` of a decode step (one position per sequence) with a dense f32
+//! weight matrix `w` of shape (out, in).
+//!
+//! candle hands every product to `gemm`, which packs the weight matrix into panels on each call:
+//! for the few activation rows of a decode step the packing costs about as much as the
+//! arithmetic. Here each weight row is read once, in place, and dotted with every activation row
+//! while it is in cache, and the weight rows are split across candle's persistent thread team
+//! (the one its other kernels keep spinning), so no second pool competes for the cores.
+//!
+//! Invariants:
+//! - Only decode steps come here, whatever their batch, so a sequence's tokens never depend on
+//!   what else is batched with it; prefill and scoring keep candle's GEMM.
+//! - The kernel is chosen at run time: AVX-512F, else AVX2 with FMA, else scalar. The vector
+//!   kernels sum in a different order from candle's (and fuse the multiply-add), so outputs agree
+//!   with candle's within f32 rounding, not bit for bit; tests hold every kernel the CPU has to
+//!   candle's product.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use candle_core::{D, DType, Result, Tensor};
+
+/// Whether `Linear` should route `x · wᵀ` here rather than through candle: a decode step (one
+/// position per sequence) in f32 on the CPU, with no gradient to track (this product has no
+/// backward pass).
+pub(crate) fn applies(w: &Tensor, x: &Tensor) -> bool {
+    !w.track_op()
+        && !x.track_op()
+        && w.device().is_cpu()
+        && w.dtype() == DType::F32
+        && w.rank() == 2
+        && w.is_contiguous()
+        && x.device().is_cpu()
+        && x.dtype() == DType::F32
+        && x.rank() == 3
+        && x.dim(1).is_ok_and(|positions| positions == 1)
+}
+
+/// `x · wᵀ` for `w` of shape (out, in) and `x` of shape (..., in), like `candle_nn::Linear`.
+pub(crate) fn forward(w: &Tensor, x: &Tensor) -> Result<Tensor> {
+    let (out, k) = w.dims2()?;
+    if x.dim(D::Minus1)? != k {
+        candle_core::bail!(
+            "decode matmul: input {:?} against weights ({out}, {k})",
+            x.shape()
+        );
+    }
+    let x = x.contiguous()?;
+    let rows = x.elem_count() / k.max(1);
+    let y = {
+        let (w_storage, w_layout) = w.storage_and_layout();
+        let (x_storage, x_layout) = x.storage_and_layout();
+        let w = crate::fused::values(cpu(&w_storage)?, w_layout)?;
+        let x = crate::fused::values(cpu(&x_storage)?, x_layout)?;
+        matmul_with(Kernel::detect(), w, x, (rows, k, out))
+    };
+    let mut dims = x.dims().to_vec();
+    *dims.last_mut().expect("rank 3") = out;
+    Tensor::from_vec(y, dims, x.device())
+}
+
+fn cpu(storage: &candle_core::Storage) -> Result<&candle_core::CpuStorage> {
+    match storage {
+        candle_core::Storage::Cpu(cpu) => Ok(cpu),
+        _ => candle_core::bail!("decode matmul: operand is not on the CPU"),
+    }
+}
+
+/// Activation rows dotted against each weight row per pass.
+const ROW_TILE: usize = 4;
+
+/// `x · wᵀ` (`rows × out`, row-major) for `x: rows × k` and `w: out × k`, both row-major.
+fn matmul_with(
+    kernel: Kernel,
+    w: &[f32],
+    x: &[f32],
+    (rows, k, out): (usize, usize, usize),
+) -> Vec<f32> {
+    assert_eq!(w.len(), out * k, "decode matmul: weight length");
+    assert_eq!(x.len(), rows * k, "decode matmul: input length");
+    if k == 0 {
+        return vec![0.0; rows * out];
+    }
+    let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
+    columns_in_parallel(rows, out, |range, block| {
+        let w = &w[range.start * k..range.end * k];
+        for (t, tile) in xs.chunks(ROW_TILE).enumerate() {
+            for (j, w_row) in w.chunks_exact(k).enumerate() {
+                let dots = &mut block[j * rows + t * ROW_TILE..][..tile.len()];
+                kernel.dots(w_row, tile, dots);
+            }
+        }
+    })
+}
+
+/// A `rows × n` row-major output whose columns are computed in parallel by candle's thread team:
+/// `fill(columns, block)` fills `block[(j - columns.start) * rows + i]` with element `(i, j)` for
+/// every `j` in `columns`.
+pub(crate) fn columns_in_parallel(
+    rows: usize,
+    n: usize,
+    fill: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
+) -> Vec<f32> {
+    // Workers finish columns in any order; relaxed atomics let them write disjoint elements of
+    // one buffer without unsafe, at the cost of a plain store on x86.
+    let dst: Vec<AtomicU32> = (0..rows * n).map(|_| AtomicU32::new(0)).collect();
+    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        let mut block = vec![0f32; range.len() * rows];
+        fill(range.clone(), &mut block);
+        for (j, column) in range.zip(block.chunks_exact(rows.max(1))) {
+            for (i, v) in column.iter().enumerate() {
+                dst[i * n + j].store(v.to_bits(), Ordering::Relaxed);
+            }
+        }
+    });
+    dst.into_iter()
+        .map(|v| f32::from_bits(v.into_inner()))
+        .collect()
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Kernel {
+    fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx512f") {
+                return Self::Avx512;
+            }
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                return Self::Avx2;
+            }
+        }
+        Self::Scalar
+    }
+
+    /// `out[i] = w · xs[i]` for up to [`ROW_TILE`] activation rows, each as long as `w`.
+    fn dots(self, w: &[f32], xs: &[&[f32]], out: &mut [f32]) {
+        assert!(xs.len() <= ROW_TILE && out.len() == xs.len());
+        assert!(xs.iter().all(|x| x.len() == w.len()));
+        match self {
+            Self::Scalar => {
+                for (out, x) in out.iter_mut().zip(xs) {
+                    *out = w.iter().zip(*x).map(|(w, x)| w * x).sum();
+                }
+            }
+            // SAFETY (both): `detect` chose the kernel only after finding its features, and
+            // every row was checked above to be as long as `w`.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => unsafe { avx2::dots(w, xs, out) },
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => unsafe { avx512::dots(w, xs, out) },
+        }
+    }
+}
+
+/// One vector kernel per instruction set: `dots(w, xs, out)` sets `out[i] = w · xs[i]`, reading
+/// each vector of `w` once for all the activation rows. Each row keeps two accumulators (even
+/// and odd vectors), so a single row's multiply-adds do not all wait on one another.
+#[cfg(target_arch = "x86_64")]
+macro_rules! vector_kernel {
+    ($name:ident, $features:literal, $lanes:literal, $zero:ident, $load:ident, $fma:ident,
+     $add:ident, $sum:path) => {
+        mod $name {
+            use std::arch::x86_64::*;
+
+            /// # Safety
+            /// The CPU has the module's features, and every row of `xs` is as long as `w`.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn dots(w: &[f32], xs: &[&[f32]], out: &mut [f32]) {
+                const STEP: usize = 2 * $lanes;
+                let k = w.len();
+                let pairs = k / STEP * STEP;
+                let full = k / $lanes * $lanes;
+                let mut even = [$zero(); super::ROW_TILE];
+                let mut odd = [$zero(); super::ROW_TILE];
+                // SAFETY (both loops): every load reads `lanes` values from c < full <= k, the
+                // length of `w` and of every row.
+                let mut c = 0;
+                while c < pairs {
+                    unsafe {
+                        let (w0, w1) =
+                            ($load(w.as_ptr().add(c)), $load(w.as_ptr().add(c + $lanes)));
+                        for ((even, odd), x) in even.iter_mut().zip(&mut odd).zip(xs) {
+                            *even = $fma(w0, $load(x.as_ptr().add(c)), *even);
+                            *odd = $fma(w1, $load(x.as_ptr().add(c + $lanes)), *odd);
+                        }
+                    }
+                    c += STEP;
+                }
+                if c < full {
+                    unsafe {
+                        let w0 = $load(w.as_ptr().add(c));
+                        for (even, x) in even.iter_mut().zip(xs) {
+                            *even = $fma(w0, $load(x.as_ptr().add(c)), *even);
+                        }
+                    }
+                }
+                for (((out, even), odd), x) in out.iter_mut().zip(even).zip(odd).zip(xs) {
+                    let tail: f32 = w[full..].iter().zip(&x[full..]).map(|(w, x)| w * x).sum();
+                    *out = $sum($add(even, odd)) + tail;
+                }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+vector_kernel!(
+    avx512,
+    "avx512f",
+    16,
+    _mm512_setzero_ps,
+    _mm512_loadu_ps,
+    _mm512_fmadd_ps,
+    _mm512_add_ps,
+    _mm512_reduce_add_ps
+);
+
+#[cfg(target_arch = "x86_64")]
+vector_kernel!(
+    avx2,
+    "avx2,fma",
+    8,
+    _mm256_setzero_ps,
+    _mm256_loadu_ps,
+    _mm256_fmadd_ps,
+    _mm256_add_ps,
+    super::sum_256
+);
+
+/// The sum of an AVX register's eight lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn sum_256(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
+    let one = _mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1));
+    _mm_cvtss_f32(one)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn random(shape: (usize, usize, usize), seed: u64) -> Tensor {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let values: Vec<f32> = (0..shape.0 * shape.1 * shape.2)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
+    }
+
+    fn kernels() -> Vec<Kernel> {
+        let mut kernels = vec![Kernel::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                kernels.push(Kernel::Avx2);
+            }
+            if is_x86_feature_detected!("avx512f") {
+                kernels.push(Kernel::Avx512);
+            }
+        }
+        kernels
+    }
+
+    /// Every kernel this CPU can run, against candle's product, on batches from one row to more
+    /// than a tile and inner lengths with and without a tail past the last full vector.
+    #[test]
+    fn every_kernel_agrees_with_candles_product() {
+        assert!(kernels().contains(&Kernel::detect()));
+        for (batch, k, out) in [(1, 256, 768), (3, 37, 50), (8, 256, 1536), (9, 100, 7)] {
+            let x = random((batch, 1, k), k as u64);
+            let w = random((1, out, k), out as u64).squeeze(0).unwrap();
+            assert!(applies(&w, &x));
+            let reference: Vec<f32> = x
+                .broadcast_matmul(&w.t().unwrap())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
+            let ws: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
+            for kernel in kernels() {
+                let ours = matmul_with(kernel, &ws, &xs, (batch, k, out));
+                for (i, (a, b)) in ours.iter().zip(&reference).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                        "{kernel:?} {batch}x{k}x{out} element {i}: {a} vs {b}"
+                    );
+                }
+            }
+            let y = forward(&w, &x).unwrap();
+            assert_eq!(y.dims(), &[batch, 1, out]);
+        }
+    }
+
+    #[test]
+    fn only_decode_steps_in_f32_come_here() {
+        let w = random((1, 8, 4), 1).squeeze(0).unwrap();
+        assert!(applies(&w, &random((2, 1, 4), 2)));
+        assert!(!applies(&w, &random((2, 3, 4), 3)), "a prefill pass");
+        assert!(
+            !applies(&w.t().unwrap(), &random((2, 1, 8), 4)),
+            "a transposed weight"
+        );
+        let tracked = candle_core::Var::from_tensor(&w).unwrap();
+        assert!(
+            !applies(tracked.as_tensor(), &random((2, 1, 4), 7)),
+            "training"
+        );
+        let half = random((2, 1, 4), 5).to_dtype(DType::BF16).unwrap();
+        assert!(!applies(&w.to_dtype(DType::BF16).unwrap(), &half));
+        let err = forward(&w, &random((2, 1, 5), 6)).unwrap_err().to_string();
+        assert!(err.contains("against weights (8, 4)"), "{err}");
+    }
+}
