@@ -237,11 +237,79 @@ impl<'c> ForwardBatch<'c> {
         Ok((Tensor::cat(&keys, 0)?, Tensor::cat(&values, 0)?))
     }
 
+    /// The attention of a decode step (one new token per row), read in place from each row's
+    /// cache by [`crate::decode_attention`] after this step's keys and values (`[batch, kv_heads,
+    /// 1, head_dim]`) are appended: `[batch, 1, heads, head_dim]` for queries `q` of `[batch,
+    /// heads, 1, head_dim]`. `None` where [`Self::attend_to`] and the general path must run:
+    /// not a decode step, not f32 on the CPU, or gradients tracked.
+    pub fn decode_attention(
+        &mut self,
+        slot: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        scale: f64,
+    ) -> Result<Option<Tensor>> {
+        let in_place = !self.caches.is_empty()
+            && self.seq_len == 1
+            && [q, k, v]
+                .iter()
+                .all(|t| t.device().is_cpu() && t.dtype() == DType::F32 && !t.track_op());
+        if !in_place {
+            return Ok(None);
+        }
+        let (batch, heads, _, head_dim) = q.dims4()?;
+        let kv_heads = k.dim(1)?;
+        for (i, cache) in self.caches.iter_mut().enumerate() {
+            cache.append(slot, &k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?)?;
+        }
+        let q = q.contiguous()?;
+        let slots: Vec<&SlotBuffers> = self
+            .caches
+            .iter()
+            .map(|c| c.slots[slot].as_ref().expect("appended above"))
+            .collect();
+        let storages: Vec<_> = slots
+            .iter()
+            .map(|s| (s.keys.storage_and_layout(), s.values.storage_and_layout()))
+            .collect();
+        let mut views = Vec::with_capacity(batch);
+        for (slot, ((keys, k_layout), (values, v_layout))) in slots.iter().zip(&storages) {
+            views.push(crate::decode_attention::CacheView {
+                keys: crate::fused::values(cpu(keys)?, k_layout)?,
+                values: crate::fused::values(cpu(values)?, v_layout)?,
+                capacity: slot.keys.dim(2)?,
+                len: slot.len,
+            });
+        }
+        let out = {
+            let (q_storage, q_layout) = q.storage_and_layout();
+            crate::decode_attention::attend(
+                crate::fused::values(cpu(&q_storage)?, q_layout)?,
+                &views,
+                crate::decode_attention::Heads {
+                    heads,
+                    kv_heads,
+                    head_dim,
+                },
+                scale as f32,
+            )
+        };
+        Tensor::from_vec(out, (batch, 1, heads, head_dim), q.device()).map(Some)
+    }
+
     /// Records that every cache now holds this pass's tokens. Called once after the pass.
     pub fn commit(&mut self) {
         for (row, cache) in self.rows.iter().zip(self.caches.iter_mut()) {
             cache.len = row.past + self.seq_len - row.padding;
         }
+    }
+}
+
+fn cpu(storage: &candle_core::Storage) -> Result<&candle_core::CpuStorage> {
+    match storage {
+        candle_core::Storage::Cpu(cpu) => Ok(cpu),
+        _ => candle_core::bail!("decode attention: a cache is not on the CPU"),
     }
 }
 

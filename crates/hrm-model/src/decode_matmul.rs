@@ -5,7 +5,7 @@
 //! for the few activation rows of a decode step the packing costs about as much as the
 //! arithmetic. Here each weight row is read once, in place, and dotted with every activation row
 //! while it is in cache, and the weight rows are split across candle's persistent thread team
-//! (the one its other kernels keep spinning), so no second pool competes for the cores.
+//! ([`crate::team`]).
 //!
 //! Invariants:
 //! - Only decode steps come here, whatever their batch, so a sequence's tokens never depend on
@@ -14,8 +14,6 @@
 //!   kernels sum in a different order from candle's (and fuse the multiply-add), so outputs agree
 //!   with candle's within f32 rounding, not bit for bit; tests hold every kernel the CPU has to
 //!   candle's product.
-
-use std::sync::atomic::{AtomicU32, Ordering};
 
 use candle_core::{D, DType, Result, Tensor};
 
@@ -66,7 +64,7 @@ fn cpu(storage: &candle_core::Storage) -> Result<&candle_core::CpuStorage> {
 }
 
 /// Activation rows dotted against each weight row per pass.
-const ROW_TILE: usize = 4;
+pub(crate) const ROW_TILE: usize = 4;
 
 /// `x · wᵀ` (`rows × out`, row-major) for `x: rows × k` and `w: out × k`, both row-major.
 fn matmul_with(
@@ -81,7 +79,7 @@ fn matmul_with(
         return vec![0.0; rows * out];
     }
     let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
-    columns_in_parallel(rows, out, |range, block| {
+    crate::team::columns_in_parallel(rows, out, |range, block| {
         let w = &w[range.start * k..range.end * k];
         for (t, tile) in xs.chunks(ROW_TILE).enumerate() {
             for (j, w_row) in w.chunks_exact(k).enumerate() {
@@ -92,33 +90,9 @@ fn matmul_with(
     })
 }
 
-/// A `rows × n` row-major output whose columns are computed in parallel by candle's thread team:
-/// `fill(columns, block)` fills `block[(j - columns.start) * rows + i]` with element `(i, j)` for
-/// every `j` in `columns`.
-pub(crate) fn columns_in_parallel(
-    rows: usize,
-    n: usize,
-    fill: impl Fn(std::ops::Range<usize>, &mut [f32]) + Sync,
-) -> Vec<f32> {
-    // Workers finish columns in any order; relaxed atomics let them write disjoint elements of
-    // one buffer without unsafe, at the cost of a plain store on x86.
-    let dst: Vec<AtomicU32> = (0..rows * n).map(|_| AtomicU32::new(0)).collect();
-    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
-        let mut block = vec![0f32; range.len() * rows];
-        fill(range.clone(), &mut block);
-        for (j, column) in range.zip(block.chunks_exact(rows.max(1))) {
-            for (i, v) in column.iter().enumerate() {
-                dst[i * n + j].store(v.to_bits(), Ordering::Relaxed);
-            }
-        }
-    });
-    dst.into_iter()
-        .map(|v| f32::from_bits(v.into_inner()))
-        .collect()
-}
-
+/// The dot-product kernel of this CPU (also used by decode attention for its scores).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kernel {
+pub(crate) enum Kernel {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2,
@@ -127,7 +101,7 @@ enum Kernel {
 }
 
 impl Kernel {
-    fn detect() -> Self {
+    pub(crate) fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
             if is_x86_feature_detected!("avx512f") {
@@ -141,7 +115,7 @@ impl Kernel {
     }
 
     /// `out[i] = w · xs[i]` for up to [`ROW_TILE`] activation rows, each as long as `w`.
-    fn dots(self, w: &[f32], xs: &[&[f32]], out: &mut [f32]) {
+    pub(crate) fn dots(self, w: &[f32], xs: &[&[f32]], out: &mut [f32]) {
         assert!(xs.len() <= ROW_TILE && out.len() == xs.len());
         assert!(xs.iter().all(|x| x.len() == w.len()));
         match self {

@@ -14,8 +14,8 @@ use candle_nn::VarBuilder;
 use crate::cache::{ForwardBatch, softmax_last_dim};
 use crate::moe::MoeMlp;
 
-/// A bias-free linear projection, dense or GGUF-quantised. Quantised Q4_1 projections on the
-/// CPU use the kernel in `q4_1.rs` for every pass, dense f32 ones on the CPU the kernel in
+/// A bias-free linear projection, dense or GGUF-quantised. Q4_1 and Q8_0 projections on the CPU
+/// use the kernel in `quant_matmul.rs` for every pass, dense f32 ones on the CPU the kernel in
 /// `decode_matmul.rs` for decode steps; everything else uses candle's.
 #[derive(Clone, Debug)]
 pub enum Linear {
@@ -41,16 +41,17 @@ impl Linear {
 }
 
 /// candle's quantised CPU matmul computes one dot product per (row, column) pair, so a prefill or
-/// scoring pass would cost as much per token as a decode step. Passes over more than one position
-/// therefore dequantise each matrix for the call and use the f32 GEMM; decode steps (one position
-/// per sequence) keep the quantised kernel, which reads 4-8x fewer weight bytes. The choice
-/// depends only on the pass's shape, never on what else is batched, so a sequence's scores and
-/// tokens do not depend on its batch.
+/// scoring pass would cost as much per token as a decode step. For the formats without our own
+/// kernel, passes over more than one position therefore dequantise each matrix for the call and
+/// use the f32 GEMM; decode steps (one position per sequence) keep the quantised kernel, which
+/// reads 4-8x fewer weight bytes. The choice depends only on the pass's shape, never on what else
+/// is batched, so a sequence's scores and tokens do not depend on its batch.
 ///
-/// Q4_1 is the exception: `q4_1.rs` unpacks each weight block once for several rows, so it
-/// serves prefill and scoring too. Dequantising a whole model per call cost a short prompt more
-/// than its prefill (time to first token ~90 ms for 8 tokens of SmolLM2, against ~20 ms), and
-/// one kernel for every pass means a token scores the same at prefill, decode and scoring.
+/// Q4_1 and Q8_0 are the exception: `quant_matmul.rs` unpacks each weight block once for several
+/// rows, so it serves prefill and scoring too. Dequantising a whole model per call cost a short
+/// prompt more than its prefill (time to first token ~90 ms for 8 tokens of SmolLM2, against
+/// ~20 ms), and one kernel for every pass means a token scores the same at prefill, decode and
+/// scoring.
 fn dequantize_for(x: &Tensor) -> Result<bool> {
     Ok(x.rank() == 3 && x.dim(1)? > 1)
 }
@@ -62,8 +63,8 @@ impl Module for Linear {
                 crate::decode_matmul::forward(l.weight(), x)
             }
             Self::Dense(l) => l.forward(x),
-            Self::Quantized(QMatMul::QTensor(q)) if crate::q4_1::applies(q, x) => {
-                crate::q4_1::forward(q, x)
+            Self::Quantized(QMatMul::QTensor(q)) if crate::quant_matmul::applies(q, x) => {
+                crate::quant_matmul::forward(q, x)
             }
             Self::Quantized(QMatMul::QTensor(q)) if dequantize_for(x)? => {
                 let w = q.dequantize(x.device())?;
@@ -266,18 +267,22 @@ impl Attention {
         let q = ctx.rotary.apply(&q, ctx.cos, ctx.sin)?;
         let k = ctx.rotary.apply(&k, ctx.cos, ctx.sin)?;
 
-        let (k, v) = batch.attend_to(slot, &k, &v)?;
-        let k = repeat_kv(k, h / kvh)?;
-        let v = repeat_kv(v, h / kvh)?;
-
         let scale = 1.0 / (d as f64).sqrt();
-        let scores = crate::fused::batched_matmul(&q.contiguous()?, &k.t()?, scale)?;
-        let scores = match &batch.mask {
-            Some(mask) => scores.broadcast_add(mask)?,
-            None => scores,
+        let out = match batch.decode_attention(slot, &q, &k, &v, scale)? {
+            Some(out) => out, // [b, 1, h, d]
+            None => {
+                let (k, v) = batch.attend_to(slot, &k, &v)?;
+                let k = repeat_kv(k, h / kvh)?;
+                let v = repeat_kv(v, h / kvh)?;
+                let scores = crate::fused::batched_matmul(&q.contiguous()?, &k.t()?, scale)?;
+                let scores = match &batch.mask {
+                    Some(mask) => scores.broadcast_add(mask)?,
+                    None => scores,
+                };
+                let probs = softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(q.dtype())?;
+                crate::fused::batched_matmul(&probs, &v, 1.0)?.transpose(1, 2)? // [b, s, h, d]
+            }
         };
-        let probs = softmax_last_dim(&scores.to_dtype(DType::F32)?)?.to_dtype(q.dtype())?;
-        let out = crate::fused::batched_matmul(&probs, &v, 1.0)?.transpose(1, 2)?; // [b, s, h, d]
         let out = match gate {
             Some(gate) => candle_nn::ops::sigmoid(&gate.reshape((b, s, h, d))?)?.mul(&out)?,
             None => out,

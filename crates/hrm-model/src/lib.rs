@@ -13,6 +13,7 @@
 
 pub mod cache;
 pub mod config;
+mod decode_attention;
 mod decode_matmul;
 pub mod device;
 pub mod engine;
@@ -23,8 +24,9 @@ pub mod layers;
 pub mod llama;
 pub mod loader;
 pub mod moe;
-mod q4_1;
+mod quant_matmul;
 mod sampling;
+mod team;
 pub mod tokenizer;
 pub mod train;
 

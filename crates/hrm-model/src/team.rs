@@ -1,0 +1,88 @@
+//! Work split over candle's persistent thread team (`candle_core::utils::barrier_pool`), for
+//! the CPU kernels of a decode step.
+//!
+//! candle's own CPU kernels hand their work to this team, whose workers spin briefly between
+//! calls and then park. Our decode kernels use the same team rather than rayon's pool, so that
+//! no second pool competes with it for the cores between one op and the next.
+//!
+//! Workers finish their parts in any order; they write disjoint elements of one output through
+//! relaxed atomics, which costs a plain store on x86 and needs no `unsafe`.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// A `rows × n` row-major output whose columns are computed in parallel: `fill(columns, block)`
+/// fills `block[(j - columns.start) * rows + i]` with element `(i, j)` for every `j` in
+/// `columns`.
+pub(crate) fn columns_in_parallel(
+    rows: usize,
+    n: usize,
+    fill: impl Fn(Range<usize>, &mut [f32]) + Sync,
+) -> Vec<f32> {
+    let dst = zeroed(rows * n);
+    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        let mut block = vec![0f32; range.len() * rows];
+        fill(range.clone(), &mut block);
+        for (j, column) in range.zip(block.chunks_exact(rows.max(1))) {
+            for (i, v) in column.iter().enumerate() {
+                dst[i * n + j].store(v.to_bits(), Ordering::Relaxed);
+            }
+        }
+    });
+    into_values(dst)
+}
+
+/// `n` items of `len` values each, computed in parallel: `fill(item, values)` fills item
+/// `item`'s values, which lie at `item * len..(item + 1) * len` of the output.
+pub(crate) fn items_in_parallel(
+    n: usize,
+    len: usize,
+    fill: impl Fn(usize, &mut [f32]) + Sync,
+) -> Vec<f32> {
+    let dst = zeroed(n * len);
+    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        let mut values = vec![0f32; len];
+        for item in range {
+            fill(item, &mut values);
+            for (slot, v) in dst[item * len..(item + 1) * len].iter().zip(&values) {
+                slot.store(v.to_bits(), Ordering::Relaxed);
+            }
+        }
+    });
+    into_values(dst)
+}
+
+fn zeroed(len: usize) -> Vec<AtomicU32> {
+    (0..len).map(|_| AtomicU32::new(0)).collect()
+}
+
+fn into_values(dst: Vec<AtomicU32>) -> Vec<f32> {
+    dst.into_iter()
+        .map(|v| f32::from_bits(v.into_inner()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_column_and_item_lands_in_its_place() {
+        let (rows, n) = (3, 1000);
+        let out = columns_in_parallel(rows, n, |columns, block| {
+            for (c, j) in columns.enumerate() {
+                for i in 0..rows {
+                    block[c * rows + i] = (i * n + j) as f32;
+                }
+            }
+        });
+        assert!(out.iter().enumerate().all(|(e, v)| *v == e as f32));
+        let out = items_in_parallel(500, 7, |item, values| {
+            for (k, v) in values.iter_mut().enumerate() {
+                *v = (item * 7 + k) as f32;
+            }
+        });
+        assert!(out.iter().enumerate().all(|(e, v)| *v == e as f32));
+        assert!(items_in_parallel(0, 7, |_, _| unreachable!()).is_empty());
+    }
+}
