@@ -213,6 +213,11 @@ impl<'c> ForwardBatch<'c> {
         &self.rows
     }
 
+    /// Whether this pass runs over its tokens alone, with no cache (scoring, training).
+    pub fn is_full_pass(&self) -> bool {
+        self.caches.is_empty()
+    }
+
     /// Appends this pass's keys and values (`[batch, kv_heads, seq_len, head_dim]`) to every
     /// row's cache slot and returns the keys and values attention must read, left-padded to a
     /// common length. Without caches, returns the inputs unchanged.
@@ -276,8 +281,8 @@ impl<'c> ForwardBatch<'c> {
         let mut views = Vec::with_capacity(batch);
         for (slot, ((keys, k_layout), (values, v_layout))) in slots.iter().zip(&storages) {
             views.push(crate::decode_attention::CacheView {
-                keys: crate::fused::values(cpu(keys)?, k_layout)?,
-                values: crate::fused::values(cpu(values)?, v_layout)?,
+                keys: crate::fused::values(crate::fused::cpu_storage(keys)?, k_layout)?,
+                values: crate::fused::values(crate::fused::cpu_storage(values)?, v_layout)?,
                 capacity: slot.keys.dim(2)?,
                 len: slot.len,
             });
@@ -285,7 +290,7 @@ impl<'c> ForwardBatch<'c> {
         let out = {
             let (q_storage, q_layout) = q.storage_and_layout();
             crate::decode_attention::attend(
-                crate::fused::values(cpu(&q_storage)?, q_layout)?,
+                crate::fused::values(crate::fused::cpu_storage(&q_storage)?, q_layout)?,
                 &views,
                 crate::decode_attention::Heads {
                     heads,
@@ -303,13 +308,6 @@ impl<'c> ForwardBatch<'c> {
         for (row, cache) in self.rows.iter().zip(self.caches.iter_mut()) {
             cache.len = row.past + self.seq_len - row.padding;
         }
-    }
-}
-
-fn cpu(storage: &candle_core::Storage) -> Result<&candle_core::CpuStorage> {
-    match storage {
-        candle_core::Storage::Cpu(cpu) => Ok(cpu),
-        _ => candle_core::bail!("decode attention: a cache is not on the CPU"),
     }
 }
 

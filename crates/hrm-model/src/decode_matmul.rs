@@ -47,20 +47,13 @@ pub(crate) fn forward(w: &Tensor, x: &Tensor) -> Result<Tensor> {
     let y = {
         let (w_storage, w_layout) = w.storage_and_layout();
         let (x_storage, x_layout) = x.storage_and_layout();
-        let w = crate::fused::values(cpu(&w_storage)?, w_layout)?;
-        let x = crate::fused::values(cpu(&x_storage)?, x_layout)?;
+        let w = crate::fused::values(crate::fused::cpu_storage(&w_storage)?, w_layout)?;
+        let x = crate::fused::values(crate::fused::cpu_storage(&x_storage)?, x_layout)?;
         matmul_with(Kernel::detect(), w, x, (rows, k, out))
     };
     let mut dims = x.dims().to_vec();
     *dims.last_mut().expect("rank 3") = out;
     Tensor::from_vec(y, dims, x.device())
-}
-
-fn cpu(storage: &candle_core::Storage) -> Result<&candle_core::CpuStorage> {
-    match storage {
-        candle_core::Storage::Cpu(cpu) => Ok(cpu),
-        _ => candle_core::bail!("decode matmul: operand is not on the CPU"),
-    }
 }
 
 /// Activation rows dotted against each weight row per pass.

@@ -253,6 +253,9 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, s, _) = x.dims3()?;
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        if let Some(out) = self.training_forward(x, batch, ctx)? {
+            return self.o_proj.forward(&out);
+        }
         let (gate, q, k, v) = match &self.input {
             AttnInput::FusedGqkv(proj) => {
                 let all = proj.forward(x)?;
@@ -290,6 +293,46 @@ impl Attention {
         self.o_proj.forward(&out.reshape((b, s, h * d))?)
     }
 
+    /// A full pass with gradients on the CPU in f32 (training): the attention output `[b, s, h
+    /// · d]` from [`crate::fused::AttentionOp`], which takes the whole input projection in one
+    /// op. `None` for every other pass.
+    fn training_forward(
+        &self,
+        x: &Tensor,
+        batch: &ForwardBatch<'_>,
+        ctx: &AttnContext<'_>,
+    ) -> Result<Option<Tensor>> {
+        let tracked = x.track_op()
+            || match &self.input {
+                AttnInput::FusedGqkv(Linear::Dense(l)) => l.weight().track_op(),
+                AttnInput::Split { q, .. } => {
+                    matches!(q, Linear::Dense(l) if l.weight().track_op())
+                }
+                _ => false,
+            };
+        if !tracked || !x.device().is_cpu() || x.dtype() != DType::F32 || !batch.is_full_pass() {
+            return Ok(None);
+        }
+        let (proj, gated) = match &self.input {
+            AttnInput::FusedGqkv(proj) => (proj.forward(x)?, true),
+            AttnInput::Split { q, k, v } => match stacked_for_training(&[q, k, v])? {
+                Some(qkv) => (qkv.forward(x)?, false),
+                None => return Ok(None),
+            },
+        };
+        let mask = match &batch.mask {
+            Some(mask) => Some(mask.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
+            None => None,
+        };
+        let op = crate::fused::AttentionOp::new(
+            (self.num_heads, self.num_kv_heads, self.head_dim),
+            gated,
+            ctx.rotary.layout,
+            mask,
+        )?;
+        proj.contiguous()?.apply_op3(ctx.cos, ctx.sin, op).map(Some)
+    }
+
     pub fn weight_bytes(&self) -> usize {
         let input = match &self.input {
             AttnInput::FusedGqkv(p) => p.weight_bytes(),
@@ -307,6 +350,22 @@ fn repeat_kv(x: Tensor, groups: usize) -> Result<Tensor> {
     x.unsqueeze(2)?
         .broadcast_as((b, kvh, groups, s, d))?
         .reshape((b, kvh * groups, s, d))
+}
+
+/// For training (tracked dense weights), one projection whose weight rows are `parts`' stacked:
+/// one product instead of several, and one gradient for the fused kernel downstream to write,
+/// while the stacking's own backward pass only splits a weight-sized gradient.
+fn stacked_for_training(parts: &[&Linear]) -> Result<Option<candle_nn::Linear>> {
+    let weights: Option<Vec<&Tensor>> = parts
+        .iter()
+        .map(|p| match p {
+            Linear::Dense(l) if l.weight().track_op() => Some(l.weight()),
+            _ => None,
+        })
+        .collect();
+    weights
+        .map(|w| Ok(candle_nn::Linear::new(Tensor::cat(&w, 0)?, None)))
+        .transpose()
 }
 
 /// The gate and up projections of a SwiGLU MLP, as the checkpoint stores them.
@@ -329,18 +388,14 @@ pub struct SwiGlu {
 
 impl SwiGlu {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (gate, up) = match &self.gate_up {
-            GateUp::Fused(proj) => {
-                let both = proj.forward(x)?;
-                let half = both.dim(D::Minus1)? / 2;
-                (
-                    both.narrow(D::Minus1, 0, half)?,
-                    both.narrow(D::Minus1, half, half)?,
-                )
-            }
-            GateUp::Split { gate, up } => (gate.forward(x)?, up.forward(x)?),
+        let both = match &self.gate_up {
+            GateUp::Fused(proj) => proj.forward(x)?,
+            GateUp::Split { gate, up } => match stacked_for_training(&[gate, up])? {
+                Some(both) => both.forward(x)?,
+                None => Tensor::cat(&[gate.forward(x)?, up.forward(x)?], D::Minus1)?,
+            },
         };
-        self.down.forward(&crate::fused::swiglu(&gate, &up)?)
+        self.down.forward(&crate::fused::swiglu(&both)?)
     }
 
     pub fn weight_bytes(&self) -> usize {

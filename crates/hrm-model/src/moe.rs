@@ -10,7 +10,7 @@
 //! - `model.{stack}.layers.{i}.mlp.experts.gate_up_proj`: `[num_experts, 2 * intermediate, hidden]`
 //! - `model.{stack}.layers.{i}.mlp.experts.down_proj`: `[num_experts, hidden, intermediate]`
 
-use candle_core::{D, DType, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
 use candle_nn::init::DEFAULT_KAIMING_NORMAL;
 
@@ -24,7 +24,6 @@ pub struct MoeMlp {
     down: Tensor,
     num_experts: usize,
     top_k: usize,
-    intermediate: usize,
 }
 
 impl MoeMlp {
@@ -70,7 +69,6 @@ impl MoeMlp {
             down,
             num_experts,
             top_k,
-            intermediate,
         })
     }
 
@@ -116,10 +114,8 @@ impl MoeMlp {
 
         let expert_in = tokens.index_select(&rows, 0)?;
         let gate_up = fused::grouped_matmul(&expert_in, &self.gate_up.t()?, &counts)?;
-        let gate = gate_up.narrow(D::Minus1, 0, self.intermediate)?;
-        let up = gate_up.narrow(D::Minus1, self.intermediate, self.intermediate)?;
         let expert_out =
-            fused::grouped_matmul(&fused::swiglu(&gate, &up)?, &self.down.t()?, &counts)?;
+            fused::grouped_matmul(&fused::swiglu(&gate_up)?, &self.down.t()?, &counts)?;
         let weights = kept.index_select(&by_expert, 0)?.unsqueeze(1)?;
         let out = tokens
             .zeros_like()?

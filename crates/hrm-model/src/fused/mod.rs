@@ -6,7 +6,8 @@
 //!   one pass backward (`dx = r (g - y · mean(g y))`, `r = 1 / sqrt(mean(x²) + eps)`).
 //! - [`SoftmaxOp`]: softmax over the last dimension (attention's), one pass forward and one pass
 //!   backward from the output (`dx = y (g - sum(g y))`).
-//! - [`SwiGluOp`]: `silu(gate) · up`, one pass forward, one pass for each input's gradient.
+//! - [`SwiGluOp`]: `silu(gate) · up` over rows of `[gate | up]`, one pass forward, one pass
+//!   backward writing both halves' gradients in the same layout.
 //! - [`RopeOp`]: the rotary embedding of `[batch, heads, seq, head_dim]`; its backward pass is
 //!   the same kernel turning the other way (`sin → -sin`).
 //! - [`batched_matmul`]: attention's `scale · A · B` over `[batch, heads]` of small matrices,
@@ -32,6 +33,9 @@ use rayon::prelude::*;
 
 use crate::layers::RopeLayout;
 
+mod attention;
+pub use attention::AttentionOp;
+
 /// Root-mean-square normalisation without a scale, with its backward pass.
 pub struct RmsNormOp {
     pub eps: f32,
@@ -39,6 +43,14 @@ pub struct RmsNormOp {
 
 fn error(message: &str) -> candle_core::Error {
     candle_core::Error::Msg(format!("fused kernels: {message}"))
+}
+
+/// A storage's CPU side, or an error naming the kernels for any other device.
+pub(crate) fn cpu_storage(storage: &candle_core::Storage) -> candle_core::Result<&CpuStorage> {
+    match storage {
+        candle_core::Storage::Cpu(cpu) => Ok(cpu),
+        _ => Err(error("CPU tensors only")),
+    }
 }
 
 /// The contiguous f32 values of a CPU storage.
@@ -268,22 +280,34 @@ impl CustomOp1 for SoftmaxOp {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        map_rows(storage, layout, |y, x| {
-            let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut total = 0.0f32;
-            for (y, &x) in y.iter_mut().zip(x) {
-                *y = (x - max).exp();
-                total += *y;
-            }
-            for y in y.iter_mut() {
-                *y /= total;
-            }
-        })
+        map_rows(storage, layout, softmax_row)
     }
 
     fn bwd(&self, _x: &Tensor, y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let grad = grad.contiguous()?;
         y.apply_op2_no_bwd(&grad, &SoftmaxGrad).map(Some)
+    }
+}
+
+/// `y = softmax(x)` of one row.
+fn softmax_row(y: &mut [f32], x: &[f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut total = 0.0f32;
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y = (x - max).exp();
+        total += *y;
+    }
+    for y in y.iter_mut() {
+        *y /= total;
+    }
+}
+
+/// `dx = y (g - sum(g y))`: the input gradient of one softmax row from its output `y` and the
+/// output's gradient `g`.
+fn softmax_grad_row(dx: &mut [f32], y: &[f32], g: &[f32]) {
+    let gy = y.iter().zip(g).map(|(&y, &g)| g * y).sum::<f32>();
+    for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(g) {
+        *dx = y * (g - gy);
     }
 }
 
@@ -302,129 +326,115 @@ impl CustomOp2 for SoftmaxGrad {
         g_storage: &CpuStorage,
         g_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        map_row_pairs((y_storage, y_layout), (g_storage, g_layout), |dx, y, g| {
-            let gy = y.iter().zip(g).map(|(&y, &g)| g * y).sum::<f32>();
-            for ((dx, &y), &g) in dx.iter_mut().zip(y).zip(g) {
-                *dx = y * (g - gy);
-            }
-        })
+        map_row_pairs(
+            (y_storage, y_layout),
+            (g_storage, g_layout),
+            softmax_grad_row,
+        )
     }
 }
 
-/// `silu(gate) · up` (SwiGLU's gating), with its backward pass.
+/// `silu(gate) · up` (SwiGLU's gating) over `[.., 2 · width]` rows holding `[gate | up]`, as
+/// one projection produces them, with its backward pass, which writes both halves' gradients in
+/// the same layout.
 pub struct SwiGluOp;
 
-/// `x · sigmoid(x)` as candle computes it, and `sigmoid(x)`.
 fn silu_and_sigmoid(x: f32) -> (f32, f32) {
     let denominator = 1.0 + (-x).exp();
     (x / denominator, 1.0 / denominator)
 }
 
-impl CustomOp2 for SwiGluOp {
+/// The rows of a `[gate | up]` operand, and their shape with the last dimension halved.
+fn halves<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<(Rows<'a>, Shape)> {
+    let rows = Rows::new(storage, layout)?;
+    if rows.width % 2 != 0 {
+        return Err(error("swiglu needs rows of [gate | up]"));
+    }
+    let mut dims = layout.dims().to_vec();
+    *dims.last_mut().expect("rows have a last dimension") /= 2;
+    Ok((rows, Shape::from(dims)))
+}
+
+impl CustomOp1 for SwiGluOp {
     fn name(&self) -> &'static str {
         "fused-swiglu"
     }
 
     fn cpu_fwd(
         &self,
-        gate_storage: &CpuStorage,
-        gate_layout: &Layout,
-        up_storage: &CpuStorage,
-        up_layout: &Layout,
+        storage: &CpuStorage,
+        layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        map_row_pairs(
-            (gate_storage, gate_layout),
-            (up_storage, up_layout),
-            |out, gate, up| {
-                for ((out, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                    *out = silu_and_sigmoid(g).0 * u;
-                }
-            },
-        )
+        let (both, shape) = halves(storage, layout)?;
+        let width = both.width / 2;
+        let out = fill_rows(both.count, width, |i, out| {
+            let (gate, up) = both.row(i).split_at(width);
+            for ((out, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+                *out = silu_and_sigmoid(g).0 * u;
+            }
+        });
+        Ok((CpuStorage::F32(out), shape))
     }
 
     fn bwd(
         &self,
-        gate: &Tensor,
-        up: &Tensor,
+        both: &Tensor,
         _out: &Tensor,
         grad: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+    ) -> candle_core::Result<Option<Tensor>> {
         let grad = row_readable(grad)?;
-        let d_gate = gate.apply_op3_no_bwd(up, &grad, &SwiGluGateGrad)?;
-        let d_up = gate.apply_op2_no_bwd(&grad, &SwiGluUpGrad)?;
-        Ok((Some(d_gate), Some(d_up)))
+        row_readable(both)?
+            .apply_op2_no_bwd(&grad, &SwiGluGrad)
+            .map(Some)
     }
 }
 
-/// `silu(gate) · up` on the CPU in f32 with the fused kernel (gradients included), elsewhere
-/// composed.
-pub fn swiglu(gate: &Tensor, up: &Tensor) -> candle_core::Result<Tensor> {
-    if gate.device().is_cpu() && gate.dtype() == candle_core::DType::F32 {
-        row_readable(gate)?.apply_op2(&row_readable(up)?, SwiGluOp)
+/// `silu(gate) · up` of `[.., 2 · width]` rows holding `[gate | up]`: on the CPU in f32 the
+/// fused kernel (gradients included), elsewhere composed.
+pub fn swiglu(both: &Tensor) -> candle_core::Result<Tensor> {
+    if both.device().is_cpu() && both.dtype() == candle_core::DType::F32 {
+        row_readable(both)?.apply_op1(SwiGluOp)
     } else {
-        gate.silu()? * up
+        let width = both.dim(candle_core::D::Minus1)? / 2;
+        let gate = both.narrow(candle_core::D::Minus1, 0, width)?;
+        gate.silu()? * both.narrow(candle_core::D::Minus1, width, width)?
     }
 }
 
-/// The gradient of [`SwiGluOp`] with respect to its gate:
-/// `g · up · sigmoid(gate) · (1 + gate · (1 - sigmoid(gate)))`.
-struct SwiGluGateGrad;
+/// The gradient of [`SwiGluOp`] from its input and the output's gradient `g`: for the gate
+/// half `g · up · sigmoid(gate) · (1 + gate · (1 - sigmoid(gate)))`, for the up half
+/// `g · silu(gate)`.
+struct SwiGluGrad;
 
-impl CustomOp3 for SwiGluGateGrad {
+impl CustomOp2 for SwiGluGrad {
     fn name(&self) -> &'static str {
-        "fused-swiglu-gate-grad"
+        "fused-swiglu-grad"
     }
 
     fn cpu_fwd(
         &self,
-        gate_storage: &CpuStorage,
-        gate_layout: &Layout,
-        up_storage: &CpuStorage,
-        up_layout: &Layout,
+        both_storage: &CpuStorage,
+        both_layout: &Layout,
         grad_storage: &CpuStorage,
         grad_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        same_shape(gate_layout, up_layout)?;
-        same_shape(gate_layout, grad_layout)?;
-        let gate = Rows::new(gate_storage, gate_layout)?;
-        let up = Rows::new(up_storage, up_layout)?;
+        let (both, shape) = halves(both_storage, both_layout)?;
+        if grad_layout.dims() != shape.dims() {
+            return Err(error("swiglu gradient of the wrong shape"));
+        }
         let grad = Rows::new(grad_storage, grad_layout)?;
-        let out = fill_rows(gate.count, gate.width, |i, out| {
-            let rows = gate.row(i).iter().zip(up.row(i)).zip(grad.row(i));
-            for (out, ((&x, &u), &g)) in out.iter_mut().zip(rows) {
-                let (_, s) = silu_and_sigmoid(x);
-                *out = g * u * s * (1.0 + x * (1.0 - s));
+        let width = both.width / 2;
+        let out = fill_rows(both.count, both.width, |i, out| {
+            let (gate, up) = both.row(i).split_at(width);
+            let (d_gate, d_up) = out.split_at_mut(width);
+            for e in 0..width {
+                let (x, u, g) = (gate[e], up[e], grad.row(i)[e]);
+                let (silu, s) = silu_and_sigmoid(x);
+                d_gate[e] = g * u * s * (1.0 + x * (1.0 - s));
+                d_up[e] = g * silu;
             }
         });
-        Ok((CpuStorage::F32(out), gate_layout.shape().clone()))
-    }
-}
-
-/// The gradient of [`SwiGluOp`] with respect to `up`: `g · silu(gate)`.
-struct SwiGluUpGrad;
-
-impl CustomOp2 for SwiGluUpGrad {
-    fn name(&self) -> &'static str {
-        "fused-swiglu-up-grad"
-    }
-
-    fn cpu_fwd(
-        &self,
-        gate_storage: &CpuStorage,
-        gate_layout: &Layout,
-        grad_storage: &CpuStorage,
-        grad_layout: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        map_row_pairs(
-            (gate_storage, gate_layout),
-            (grad_storage, grad_layout),
-            |out, gate, grad| {
-                for ((out, &x), &g) in out.iter_mut().zip(gate).zip(grad) {
-                    *out = g * silu_and_sigmoid(x).0;
-                }
-            },
-        )
+        Ok((CpuStorage::F32(out), both_layout.shape().clone()))
     }
 }
 
@@ -464,15 +474,7 @@ impl CustomOp3 for RopeOp {
             let (batch, position) = (row / (h * s), row % s);
             let at = (batch * s + position) * half;
             let (cos, sin) = (&cos[at..at + half], &sin[at..at + half]);
-            let x = &x[row * d..(row + 1) * d];
-            for i in 0..half {
-                let (a, b) = match self.layout {
-                    RopeLayout::Halves => (i, i + half),
-                    RopeLayout::Interleaved => (2 * i, 2 * i + 1),
-                };
-                out[a] = x[a] * cos[i] - x[b] * sin[i];
-                out[b] = x[a] * sin[i] + x[b] * cos[i];
-            }
+            rotate(self.layout, &x[row * d..(row + 1) * d], cos, sin, out);
         });
         Ok((CpuStorage::F32(out), x_layout.shape().clone()))
     }
@@ -489,6 +491,20 @@ impl CustomOp3 for RopeOp {
             .contiguous()?
             .apply_op3_no_bwd(cos, &sin.neg()?, self)?;
         Ok((Some(back), None, None))
+    }
+}
+
+/// One head's row `x` rotated by the angles `cos`, `sin` (`head_dim / 2` each) into `out`; with
+/// `sin` negated, the rotation back.
+fn rotate(layout: RopeLayout, x: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32]) {
+    let half = x.len() / 2;
+    for i in 0..half {
+        let (a, b) = match layout {
+            RopeLayout::Halves => (i, i + half),
+            RopeLayout::Interleaved => (2 * i, 2 * i + 1),
+        };
+        out[a] = x[a] * cos[i] - x[b] * sin[i];
+        out[b] = x[a] * sin[i] + x[b] * cos[i];
     }
 }
 
@@ -656,6 +672,7 @@ fn check_group_sizes(sizes: &[usize], groups: usize, rows: usize) -> candle_core
 
 /// One matrix of a strided CPU operand: its values from the matrix's first element on, and
 /// its row and column strides.
+#[derive(Clone, Copy)]
 struct Strided<'a> {
     values: &'a [f32],
     rs: isize,
@@ -699,10 +716,25 @@ fn gemm_into(
     out: &mut [f32],
     a: &Strided,
     b: &Strided,
-    (m, k, n): (usize, usize, usize),
+    dims: (usize, usize, usize),
     scale: f32,
     parallelism: gemm::Parallelism,
 ) {
+    gemm_update(out, a, b, dims, scale, false, parallelism);
+}
+
+/// `out = scale · a · b`, or with `accumulate`, `out += scale · a · b`, for `a: m × k`,
+/// `b: k × n` and a row-major `out` of `m × n`.
+fn gemm_update(
+    out: &mut [f32],
+    a: &Strided,
+    b: &Strided,
+    (m, k, n): (usize, usize, usize),
+    scale: f32,
+    accumulate: bool,
+    parallelism: gemm::Parallelism,
+) {
+    assert!(out.len() >= m * n, "gemm: output too short");
     if m * n * k == 0 {
         return;
     }
@@ -716,14 +748,14 @@ fn gemm_into(
             out.as_mut_ptr(),
             1,
             n as isize,
-            false,
+            accumulate,
             a.values.as_ptr(),
             a.cs,
             a.rs,
             b.values.as_ptr(),
             b.cs,
             b.rs,
-            0.0,
+            if accumulate { 1.0 } else { 0.0 },
             scale,
             false,
             false,
@@ -973,7 +1005,7 @@ impl CustomOp3 for CrossEntropyGrad {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::layers::rope_composed;
     use candle_core::{D, DType, Device, Var};
@@ -990,13 +1022,21 @@ mod tests {
     }
 
     /// A CPU tensor of `shape` drawn uniformly from `range`.
-    fn random(rng: &mut StdRng, shape: impl Into<Shape>, range: std::ops::Range<f32>) -> Tensor {
+    pub(super) fn random(
+        rng: &mut StdRng,
+        shape: impl Into<Shape>,
+        range: std::ops::Range<f32>,
+    ) -> Tensor {
         let shape = shape.into();
         Tensor::from_vec(uniform(rng, shape.elem_count(), range), shape, &Device::Cpu).unwrap()
     }
 
     /// [`random`], as a variable to differentiate.
-    fn random_var(rng: &mut StdRng, shape: impl Into<Shape>, range: std::ops::Range<f32>) -> Var {
+    pub(super) fn random_var(
+        rng: &mut StdRng,
+        shape: impl Into<Shape>,
+        range: std::ops::Range<f32>,
+    ) -> Var {
         Var::from_tensor(&random(rng, shape, range)).unwrap()
     }
 
@@ -1006,7 +1046,7 @@ mod tests {
             .unwrap()
     }
 
-    fn close(a: &Tensor, b: &Tensor, tolerance: f32) {
+    pub(super) fn close(a: &Tensor, b: &Tensor, tolerance: f32) {
         let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
         let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
         for (i, (a, b)) in a.iter().zip(&b).enumerate() {
@@ -1059,7 +1099,7 @@ mod tests {
 
     /// The gradients of `sum(y · weights)` with respect to `inputs`: a loss that weighs every
     /// output differently, so every term of a gradient counts.
-    fn grads_of(y: &Tensor, weights: &Tensor, inputs: &[&Var]) -> Vec<Tensor> {
+    pub(super) fn grads_of(y: &Tensor, weights: &Tensor, inputs: &[&Var]) -> Vec<Tensor> {
         let loss = (y * weights).unwrap().sum_all().unwrap();
         let store = loss.backward().unwrap();
         inputs
@@ -1072,20 +1112,31 @@ mod tests {
     fn swiglu_values_and_gradients_are_the_composed_ones() {
         let mut rng = StdRng::seed_from_u64(5);
         let (rows, width) = (23, 40);
-        // Gate and up as halves of one projection, as the fused checkpoints store them: the
-        // kernel reads the narrowed rows in place.
+        // Gate and up as halves of one projection, as the fused checkpoints store them.
         let both = random_var(&mut rng, (rows, 2 * width), -8.0..8.0);
         let gate = both.as_tensor().narrow(D::Minus1, 0, width).unwrap();
         let up = both.as_tensor().narrow(D::Minus1, width, width).unwrap();
-        assert!(!gate.is_contiguous());
         let weights = random(&mut rng, (rows, width), -1.0..1.0);
-        let fused = swiglu(&gate, &up).unwrap();
+        let fused = swiglu(both.as_tensor()).unwrap();
         let reference = (gate.silu().unwrap() * &up).unwrap();
         close(&fused, &reference, 1e-6);
         close(
             &grads_of(&fused, &weights, &[&both])[0],
             &grads_of(&reference, &weights, &[&both])[0],
             1e-5,
+        );
+        // Rows read in place from a wider tensor (a narrow of the last dimension).
+        let wider = random(&mut rng, (rows, 2 * width + 6), -8.0..8.0);
+        let inner = wider.narrow(D::Minus1, 3, 2 * width).unwrap();
+        assert!(!inner.is_contiguous());
+        close(
+            &swiglu(&inner).unwrap(),
+            &swiglu(&inner.contiguous().unwrap()).unwrap(),
+            0.0,
+        );
+        assert!(
+            swiglu(&random(&mut rng, (2, 5), -1.0..1.0)).is_err(),
+            "odd width"
         );
     }
 
