@@ -59,6 +59,7 @@ fn dequantize_for(x: &Tensor) -> Result<bool> {
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
+            Self::Dense(l) if l.weight().track_op() => crate::fused::linear(x, l.weight()),
             Self::Dense(l) if crate::decode_matmul::applies(l.weight(), x) => {
                 crate::decode_matmul::forward(l.weight(), x)
             }
@@ -316,7 +317,7 @@ impl Attention {
         let (proj, gated) = match &self.input {
             AttnInput::FusedGqkv(proj) => (proj.forward(x)?, true),
             AttnInput::Split { q, k, v } => match stacked_for_training(&[q, k, v])? {
-                Some(qkv) => (qkv.forward(x)?, false),
+                Some(w) => (crate::fused::linear(x, &w)?, false),
                 None => return Ok(None),
             },
         };
@@ -355,7 +356,7 @@ fn repeat_kv(x: Tensor, groups: usize) -> Result<Tensor> {
 /// For training (tracked dense weights), one projection whose weight rows are `parts`' stacked:
 /// one product instead of several, and one gradient for the fused kernel downstream to write,
 /// while the stacking's own backward pass only splits a weight-sized gradient.
-fn stacked_for_training(parts: &[&Linear]) -> Result<Option<candle_nn::Linear>> {
+fn stacked_for_training(parts: &[&Linear]) -> Result<Option<Tensor>> {
     let weights: Option<Vec<&Tensor>> = parts
         .iter()
         .map(|p| match p {
@@ -363,9 +364,7 @@ fn stacked_for_training(parts: &[&Linear]) -> Result<Option<candle_nn::Linear>> 
             _ => None,
         })
         .collect();
-    weights
-        .map(|w| Ok(candle_nn::Linear::new(Tensor::cat(&w, 0)?, None)))
-        .transpose()
+    weights.map(|w| Tensor::cat(&w, 0)).transpose()
 }
 
 /// The gate and up projections of a SwiGLU MLP, as the checkpoint stores them.
@@ -391,7 +390,7 @@ impl SwiGlu {
         let both = match &self.gate_up {
             GateUp::Fused(proj) => proj.forward(x)?,
             GateUp::Split { gate, up } => match stacked_for_training(&[gate, up])? {
-                Some(both) => both.forward(x)?,
+                Some(w) => crate::fused::linear(x, &w)?,
                 None => Tensor::cat(&[gate.forward(x)?, up.forward(x)?], D::Minus1)?,
             },
         };

@@ -34,7 +34,9 @@ use rayon::prelude::*;
 use crate::layers::RopeLayout;
 
 mod attention;
+mod linear;
 pub use attention::AttentionOp;
+pub use linear::linear;
 
 /// Root-mean-square normalisation without a scale, with its backward pass.
 pub struct RmsNormOp {

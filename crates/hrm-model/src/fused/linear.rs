@@ -1,0 +1,132 @@
+//! A bias-free linear projection `x · wᵀ` for training on the CPU, as one op with its backward
+//! pass.
+//!
+//! `candle_nn::Linear` composes it from a reshape of `x`, a transpose of `w`, the product and a
+//! reshape back: four graph nodes, three of them holding an activation-sized gradient that the
+//! backward pass zeroes and adds into, and the weight's gradient arrives transposed, so that
+//! adding it up takes a strided pass. [`LinearOp`] is one node: its backward pass computes
+//! `dx = dy · w` and `dw = dyᵀ · x` with the GEMM, each in its operand's own layout.
+
+use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
+
+use super::{Rows, Strided, cpu_storage, error, gemm_into, pool_for, row_readable, values};
+
+/// `y = x · wᵀ` for `x: [.., k]` (rows at one stride) and a contiguous `w: [n, k]`.
+pub struct LinearOp;
+
+/// `x` as `rows × k` (values from its first row, row stride) and `w`'s `(n, k)`, checked.
+fn operands<'a>(
+    x_storage: &'a CpuStorage,
+    x_layout: &Layout,
+    w_layout: &Layout,
+) -> candle_core::Result<(Rows<'a>, (usize, usize))> {
+    let x = Rows::new(x_storage, x_layout)?;
+    let (n, k) = w_layout.shape().dims2()?;
+    if x.width != k {
+        return Err(error("linear: input width differs from the weight's"));
+    }
+    Ok((x, (n, k)))
+}
+
+impl CustomOp2 for LinearOp {
+    fn name(&self) -> &'static str {
+        "fused-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_storage: &CpuStorage,
+        x_layout: &Layout,
+        w_storage: &CpuStorage,
+        w_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (x, (n, k)) = operands(x_storage, x_layout, w_layout)?;
+        let w = values(w_storage, w_layout)?;
+        let mut out = vec![0.0f32; x.count * n];
+        let xs = Strided::matrix(x.values, 0, 0, (x.count, k), (x.stride, 1))?;
+        let wt = Strided::matrix(w, 0, 0, (n, k), (k, 1))?.t();
+        gemm_into(&mut out, &xs, &wt, (x.count, k, n), 1.0, pool_for(x.count * k * n));
+        let mut dims = x_layout.dims().to_vec();
+        *dims.last_mut().expect("rows have a last dimension") = n;
+        Ok((CpuStorage::F32(out), Shape::from(dims)))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = row_readable(grad)?;
+        let (x_guard, x_layout) = x.storage_and_layout();
+        let (w_guard, w_layout) = w.storage_and_layout();
+        let (g_guard, g_layout) = grad.storage_and_layout();
+        let (x_rows, (n, k)) = operands(cpu_storage(&x_guard)?, x_layout, w_layout)?;
+        let w_values = values(cpu_storage(&w_guard)?, w_layout)?;
+        let g = Rows::new(cpu_storage(&g_guard)?, g_layout)?;
+        if g.width != n || g.count != x_rows.count {
+            return Err(error("linear: gradient of the wrong shape"));
+        }
+        let rows = g.count;
+        let gs = Strided::matrix(g.values, 0, 0, (rows, n), (g.stride, 1))?;
+        let xs = Strided::matrix(x_rows.values, 0, 0, (rows, k), (x_rows.stride, 1))?;
+        let ws = Strided::matrix(w_values, 0, 0, (n, k), (k, 1))?;
+        let mut d_x = vec![0.0f32; rows * k];
+        gemm_into(&mut d_x, &gs, &ws, (rows, n, k), 1.0, pool_for(rows * n * k));
+        let mut d_w = vec![0.0f32; n * k];
+        gemm_into(&mut d_w, &gs.t(), &xs, (n, rows, k), 1.0, pool_for(rows * n * k));
+        let d_x = Tensor::from_vec(d_x, x.shape(), x.device())?;
+        let d_w = Tensor::from_vec(d_w, (n, k), w.device())?;
+        Ok((Some(d_x), Some(d_w)))
+    }
+}
+
+/// `x · wᵀ` with a gradient for both: on the CPU in f32 [`LinearOp`], elsewhere candle's
+/// `Linear`.
+pub fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
+    if x.device().is_cpu() && x.dtype() == candle_core::DType::F32 && w.dtype() == x.dtype() {
+        row_readable(x)?.apply_op2(&w.contiguous()?, LinearOp)
+    } else {
+        use candle_core::Module;
+        candle_nn::Linear::new(w.clone(), None).forward(x)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::D;
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    use super::super::tests::{close, grads_of, random, random_var};
+    use super::*;
+
+    /// Values and both gradients against `candle_nn::Linear`, for an input read in place from a
+    /// wider tensor and for one large enough to run on the pool.
+    #[test]
+    fn values_and_gradients_are_candles() {
+        let mut rng = StdRng::seed_from_u64(21);
+        for (rows, k, n, pad) in [(2 * 7, 24, 40, 3), (300, 128, 96, 0)] {
+            let wide = random_var(&mut rng, (2, rows / 2, k + pad), -2.0..2.0);
+            let x = wide.as_tensor().narrow(D::Minus1, pad, k).unwrap();
+            let w = random_var(&mut rng, (n, k), -1.0..1.0);
+            use candle_core::Module;
+            let reference = candle_nn::Linear::new(w.as_tensor().clone(), None)
+                .forward(&x)
+                .unwrap();
+            let fused = linear(&x, w.as_tensor()).unwrap();
+            assert_eq!(fused.dims(), &[2, rows / 2, n]);
+            close(&fused, &reference, 1e-5);
+            let weights = random(&mut rng, (2, rows / 2, n), -1.0..1.0);
+            let ours = grads_of(&fused, &weights, &[&wide, &w]);
+            let theirs = grads_of(&reference, &weights, &[&wide, &w]);
+            for (a, b) in ours.iter().zip(&theirs) {
+                close(a, b, 1e-4);
+            }
+        }
+        let x = random(&mut rng, (3, 5), -1.0..1.0);
+        let w = random(&mut rng, (4, 6), -1.0..1.0);
+        assert!(linear(&x, &w).is_err(), "widths differ");
+    }
+}
