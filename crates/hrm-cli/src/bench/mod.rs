@@ -111,13 +111,18 @@ fn measure<T: DeserializeOwned>(mut cmd: Command) -> anyhow::Result<T> {
 }
 
 /// Request latencies, kept in microseconds to three significant figures, read as percentiles in
-/// milliseconds.
+/// milliseconds. Latencies beyond an hour count as an hour.
 pub struct Latencies(hdrhistogram::Histogram<u64>);
+
+/// The longest latency kept as measured, in microseconds: an hour.
+const LONGEST_LATENCY_US: u64 = 3_600_000_000;
 
 impl Latencies {
     pub fn of(durations: impl IntoIterator<Item = Duration>) -> Self {
-        let mut histogram = hdrhistogram::Histogram::new(3)
-            .expect("three significant figures is a valid precision");
+        // Fixed bounds: an auto-resizing histogram does not grow on `saturating_record`, so
+        // every latency would saturate at its initial top of two microseconds.
+        let mut histogram = hdrhistogram::Histogram::new_with_bounds(1, LONGEST_LATENCY_US, 3)
+            .expect("an hour in microseconds at three significant figures is a valid range");
         for duration in durations {
             histogram.saturating_record(u64::try_from(duration.as_micros()).unwrap_or(u64::MAX));
         }
@@ -131,5 +136,26 @@ impl Latencies {
     /// The latency at `quantile` (0 to 1) in milliseconds; none without samples.
     pub fn percentile_ms(&self, quantile: f64) -> Option<f64> {
         (self.len() > 0).then(|| self.0.value_at_quantile(quantile) as f64 / 1e3)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latencies_read_back_as_measured() {
+        let latencies = Latencies::of([10, 20, 30, 40_000].map(Duration::from_millis));
+        let median = latencies.percentile_ms(0.5).unwrap();
+        assert!((median - 20.0).abs() < 0.05, "median {median} ms");
+        let slowest = latencies.percentile_ms(1.0).unwrap();
+        assert!((slowest - 40_000.0).abs() < 40.0, "slowest {slowest} ms");
+        let beyond = Latencies::of([Duration::from_secs(7200)]);
+        let capped = beyond.percentile_ms(0.5).unwrap();
+        assert!(
+            (capped - 3_600_000.0).abs() < 3_600.0,
+            "capped at an hour: {capped} ms"
+        );
+        assert!(Latencies::of([]).percentile_ms(0.5).is_none());
     }
 }
