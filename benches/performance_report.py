@@ -686,11 +686,12 @@ def md_gap(r):
         r, f"{r['command']}  # with the build before the fix, then with target/release/hrm, twice",
         f"Where our server trailed llama.cpp on `{r['gguf']}` (batch-1 decode, and the time to first "
         "token), a profile put the time in candle 0.11's Q4_1 × Q8_1 dot product, which is scalar code, "
-        "and, for prefill, in dequantising every matrix to f32 on each call. The fix is an AVX2 kernel "
-        "(`crates/hrm-model/src/q4_1.rs`) that reads the weights in place, keeps candle's arithmetic "
-        "(decode outputs are bit for bit candle's) and unpacks each block once for several rows, so "
-        f"it serves prefill too. Before: {r['before']}. Each binary ran twice, alternately; the "
-        "better run of each is shown.",
+        "and, for prefill, in dequantising every matrix to f32 on each call. The fix is our own "
+        "quantised matmul (`crates/hrm-model/src/quant_matmul.rs`, Q4_1 and Q8_0, AVX2 with a scalar "
+        "fallback that gives the same bits): it reads the weights in place, multiplies 8-bit "
+        "activation blocks in exact integer arithmetic and unpacks each weight block once for several "
+        f"rows, so it serves prefill too. Before: {r['before']}. Each binary ran twice, alternately; "
+        "the better run of each is shown.",
         ["prompt_tokens", "batch"], "before", "after", over="after")
 
 
