@@ -17,7 +17,8 @@
 //! - One unit of work is one (sequence, KV head) pair with the query heads that share it, so
 //!   the gradients of a shared key and value head are summed inside one unit, in a fixed order.
 //! - The forward pass keeps what the backward pass needs (rotated q and k, the probabilities,
-//!   the output before the gate) inside the op, which candle holds until the backward pass.
+//!   the output before the gate) inside the op, which candle holds in the graph; the backward
+//!   pass takes it, so each op runs backward once (as every graph in training does).
 //! - Values and gradients agree with the composed form within f32 rounding (tests, both rotary
 //!   layouts, grouped heads, masks with a bidirectional prefix and padding).
 
