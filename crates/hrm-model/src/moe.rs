@@ -109,17 +109,14 @@ impl MoeMlp {
             .iter()
             .map(|&slot| slot / self.top_k as u32)
             .collect();
-        let rows = Tensor::from_vec(rows, n * self.top_k, x.device())?;
+        let routing = fused::Routing::new(rows, n)?;
         let by_expert = Tensor::from_vec(by_expert, n * self.top_k, x.device())?;
 
-        let expert_in = tokens.index_select(&rows, 0)?;
+        let expert_in = fused::gather_rows(&tokens, &routing)?;
         let gate_up = fused::grouped_matmul(&expert_in, &self.gate_up.t()?, &counts)?;
         let expert_out =
             fused::grouped_matmul(&fused::swiglu(&gate_up)?, &self.down.t()?, &counts)?;
-        let weights = kept.index_select(&by_expert, 0)?.unsqueeze(1)?;
-        let out = tokens
-            .zeros_like()?
-            .index_add(&rows, &expert_out.broadcast_mul(&weights)?, 0)?;
+        let out = fused::combine_rows(&expert_out, &kept.index_select(&by_expert, 0)?, &routing)?;
 
         let share: Vec<f32> = counts
             .iter()

@@ -17,6 +17,8 @@
 //! - [`grouped_matmul`]: a mixture-of-experts block's per-expert products, `x · w[e]` over the
 //!   rows routed to each expert, as one op; its backward pass writes each expert's weight
 //!   gradient into its own block (`dW[e] = xₑᵀ · gₑ`) instead of a full-size gradient per expert.
+//! - [`gather_rows`] and [`combine_rows`]: a mixture-of-experts block's gather of tokens into
+//!   routing slots and its weighted scatter back (`routing.rs`).
 //! - [`cross_entropy`]: mean next-token cross-entropy over the vocabulary, one pass forward and
 //!   one pass backward (`dx = (softmax(x) - onehot(label)) · g`), no `[rows, vocab]` temporaries
 //!   besides the gradient itself.
@@ -35,8 +37,10 @@ use crate::layers::RopeLayout;
 
 mod attention;
 mod linear;
+mod routing;
 pub use attention::AttentionOp;
 pub use linear::linear;
+pub use routing::{Routing, combine_rows, gather_rows};
 
 /// Root-mean-square normalisation without a scale, with its backward pass.
 pub struct RmsNormOp {
