@@ -243,7 +243,7 @@ impl<'c> ForwardBatch<'c> {
     }
 
     /// The attention of a decode step (one new token per row), read in place from each row's
-    /// cache by [`crate::decode_attention`] after this step's keys and values (`[batch, kv_heads,
+    /// cache by `decode_attention.rs` after this step's keys and values (`[batch, kv_heads,
     /// 1, head_dim]`) are appended: `[batch, 1, heads, head_dim]` for queries `q` of `[batch,
     /// heads, 1, head_dim]`. `None` where [`Self::attend_to`] and the general path must run:
     /// not a decode step, not f32 on the CPU, or gradients tracked.

@@ -27,6 +27,7 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 use rayon::prelude::*;
 
+use super::exp::sigmoid_in_place;
 use super::{
     Strided, cpu_storage, error, gemm_into, gemm_update, rotate, softmax_grad_row, softmax_row,
     values,
@@ -98,10 +99,6 @@ impl AttentionOp {
     fn mask_of(&self, i: usize, s: usize) -> Option<&[f32]> {
         self.mask.as_ref().map(|m| &m[i * s * s..(i + 1) * s * s])
     }
-}
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
 }
 
 /// The `(batch, seq)` of a projection `[batch, seq, width]` and its angles, checked.
@@ -202,10 +199,12 @@ impl CustomOp3 for AttentionOp {
                     gemm_into(o, &pm, &v, (s, s, d), 1.0, gemm::Parallelism::None);
                     if self.gated {
                         saved.o[j * s * d..(j + 1) * s * d].copy_from_slice(o);
+                        let mut gate = vec![0.0; d];
                         for (t, o) in o.chunks_exact_mut(d).enumerate() {
-                            let gate = &row(t)[gate_at + head * d..][..d];
-                            for (o, &x) in o.iter_mut().zip(gate) {
-                                *o *= sigmoid(x);
+                            gate.copy_from_slice(&row(t)[gate_at + head * d..][..d]);
+                            sigmoid_in_place(&mut gate);
+                            for (o, &sg) in o.iter_mut().zip(&gate) {
+                                *o *= sg;
                             }
                         }
                     }
@@ -300,16 +299,18 @@ impl CustomOp3 for AttentionOp {
                 let mut d_o = vec![0.0; s * d];
                 let mut d_p = vec![0.0; s * s];
                 let mut d_q_rot = vec![0.0; s * d];
+                let mut sigmoids = vec![0.0; d];
                 for j in 0..group {
                     let head = g * group + j;
                     for (t, d_o) in d_o.chunks_exact_mut(d).enumerate() {
                         let g_out = &grad_values[(i * s + t) * h * d + head * d..][..d];
                         if self.gated {
-                            let gate = &row(t)[gate_at + head * d..][..d];
+                            sigmoids.copy_from_slice(&row(t)[gate_at + head * d..][..d]);
+                            sigmoid_in_place(&mut sigmoids);
                             let o = &saved.o[(j * s + t) * d..][..d];
                             let d_gate = &mut d_gate[(j * s + t) * d..][..d];
                             for e in 0..d {
-                                let sg = sigmoid(gate[e]);
+                                let sg = sigmoids[e];
                                 d_o[e] = g_out[e] * sg;
                                 d_gate[e] = g_out[e] * o[e] * sg * (1.0 - sg);
                             }

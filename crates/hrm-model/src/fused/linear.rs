@@ -103,7 +103,7 @@ impl CustomOp2 for LinearOp {
     }
 }
 
-/// `x · wᵀ` with a gradient for both: on the CPU in f32 [`LinearOp`], elsewhere candle's
+/// `x · wᵀ` with a gradient for both: on the CPU in f32 `LinearOp`, elsewhere candle's
 /// `Linear`.
 pub fn linear(x: &Tensor, w: &Tensor) -> candle_core::Result<Tensor> {
     if x.device().is_cpu() && x.dtype() == candle_core::DType::F32 && w.dtype() == x.dtype() {

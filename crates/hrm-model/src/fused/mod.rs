@@ -23,6 +23,8 @@
 //!   one pass backward (`dx = (softmax(x) - onehot(label)) · g`), no `[rows, vocab]` temporaries
 //!   besides the gradient itself.
 //!
+//! Their `exp` is `exp.rs`'s, eight lanes at a time.
+//!
 //! Each runs on f32 CPU tensors whose rows (last dimension) are contiguous at one stride, so a
 //! `narrow` of the last dimension needs no copy; callers use the composed form elsewhere. Rows
 //! are spread over rayon's pool. Tests hold each to the composed form's values and gradients.
@@ -36,6 +38,7 @@ use rayon::prelude::*;
 use crate::layers::RopeLayout;
 
 mod attention;
+mod exp;
 mod linear;
 mod routing;
 pub use attention::AttentionOp;
@@ -298,11 +301,11 @@ impl CustomOp1 for SoftmaxOp {
 /// `y = softmax(x)` of one row.
 fn softmax_row(y: &mut [f32], x: &[f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut total = 0.0f32;
     for (y, &x) in y.iter_mut().zip(x) {
-        *y = (x - max).exp();
-        total += *y;
+        *y = x - max;
     }
+    exp::exp_in_place(y);
+    let total: f32 = y.iter().sum();
     for y in y.iter_mut() {
         *y /= total;
     }
@@ -345,11 +348,6 @@ impl CustomOp2 for SoftmaxGrad {
 /// the same layout.
 pub struct SwiGluOp;
 
-fn silu_and_sigmoid(x: f32) -> (f32, f32) {
-    let denominator = 1.0 + (-x).exp();
-    (x / denominator, 1.0 / denominator)
-}
-
 /// The rows of a `[gate | up]` operand, and their shape with the last dimension halved.
 fn halves<'a>(storage: &'a CpuStorage, layout: &Layout) -> candle_core::Result<(Rows<'a>, Shape)> {
     let rows = Rows::new(storage, layout)?;
@@ -375,8 +373,10 @@ impl CustomOp1 for SwiGluOp {
         let width = both.width / 2;
         let out = fill_rows(both.count, width, |i, out| {
             let (gate, up) = both.row(i).split_at(width);
+            out.copy_from_slice(gate);
+            exp::sigmoid_in_place(out);
             for ((out, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                *out = silu_and_sigmoid(g).0 * u;
+                *out *= g * u;
             }
         });
         Ok((CpuStorage::F32(out), shape))
@@ -433,11 +433,13 @@ impl CustomOp2 for SwiGluGrad {
         let out = fill_rows(both.count, both.width, |i, out| {
             let (gate, up) = both.row(i).split_at(width);
             let (d_gate, d_up) = out.split_at_mut(width);
+            // sigmoid(gate) first, in the up half's place.
+            d_up.copy_from_slice(gate);
+            exp::sigmoid_in_place(d_up);
             for e in 0..width {
-                let (x, u, g) = (gate[e], up[e], grad.row(i)[e]);
-                let (silu, s) = silu_and_sigmoid(x);
+                let (x, u, g, s) = (gate[e], up[e], grad.row(i)[e], d_up[e]);
                 d_gate[e] = g * u * s * (1.0 + x * (1.0 - s));
-                d_up[e] = g * silu;
+                d_up[e] = g * (x * s);
             }
         });
         Ok((CpuStorage::F32(out), both_layout.shape().clone()))
@@ -936,8 +938,9 @@ struct CrossEntropyOp {
 /// `(max, log(sum(exp(x - max))))` of one row: `logsumexp(x) = max + log_total`.
 fn log_sum_exp_parts(row: &[f32]) -> (f32, f32) {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let total: f32 = row.iter().map(|&x| (x - max).exp()).sum();
-    (max, total.ln())
+    let mut shifted: Vec<f32> = row.iter().map(|&x| x - max).collect();
+    exp::exp_in_place(&mut shifted);
+    (max, shifted.iter().sum::<f32>().ln())
 }
 
 impl CustomOp1 for CrossEntropyOp {
@@ -1002,8 +1005,10 @@ impl CustomOp3 for CrossEntropyGrad {
             // The forward pass's loss is logsumexp(x) - x[label]: no second reduction per row.
             let log_sum_exp = loss[i] + row[label];
             for (out, &x) in out.iter_mut().zip(row) {
-                *out = (x - log_sum_exp).exp() * g[i];
+                *out = x - log_sum_exp;
             }
+            exp::exp_in_place(out);
+            out.iter_mut().for_each(|p| *p *= g[i]);
             out[label] -= g[i];
         });
         Ok((CpuStorage::F32(out), x_layout.shape().clone()))
