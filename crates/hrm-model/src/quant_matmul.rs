@@ -20,9 +20,15 @@
 //!   `((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7))`.
 //!
 //! Invariants:
-//! - Every kernel (scalar, AVX2) gives the same bits for finite inputs, and an output depends
-//!   only on its own activation row, never on the batch around it, so a sequence's tokens and
-//!   scores do not change with batching or with the CPU's instruction sets.
+//! - Every kernel (scalar, AVX2, AVX2 with VNNI) gives the same bits for finite inputs, and an
+//!   output depends only on its own activation row, never on the batch around it, so a
+//!   sequence's tokens and scores do not change with batching or with the CPU's instruction
+//!   sets. The tests hold every kernel the CPU has to the scalar one.
+//! - VNNI's `vpdpbusd` (AVX-512 VNNI on 256-bit registers) forms each lane's four products and
+//!   their sum in one instruction, where AVX2 needs two (`maddubs`, then `madd`); both sums are
+//!   exact, so the two kernels differ only in speed. A 512-bit kernel, two blocks per register,
+//!   measured slower than either on an AVX-512 AMD EPYC (its 512-bit operations take two
+//!   256-bit passes, and pairing blocks costs shuffles), so there is none.
 //! - Outputs differ from candle's (f16 scales, another summation order) and from the exact
 //!   product by the activations' 8-bit rounding: at most `Σ_b (d_x,b / 2) · Σ|w_b|` plus f32
 //!   rounding, which the tests check.
@@ -233,26 +239,41 @@ enum Kernel {
     Scalar,
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// The AVX2 kernel with VNNI's byte dot product (AVX-512 VNNI and VL).
+    #[cfg(target_arch = "x86_64")]
+    Avx2Vnni,
 }
 
 impl Kernel {
+    /// The fastest kernel this CPU runs.
     fn detect() -> Self {
+        *Self::supported()
+            .last()
+            .expect("the scalar kernel runs anywhere")
+    }
+
+    /// Every kernel this CPU runs, slowest first.
+    fn supported() -> Vec<Self> {
+        let mut kernels = vec![Self::Scalar];
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c")
         {
-            return Self::Avx2;
+            kernels.push(Self::Avx2);
+            if is_x86_feature_detected!("avx512vl") && is_x86_feature_detected!("avx512vnni") {
+                kernels.push(Self::Avx2Vnni);
+            }
         }
-        Self::Scalar
+        kernels
     }
 
     fn quantize(self, xs: &[f32; QK]) -> ActBlock {
         match self {
             Self::Scalar => quantize_scalar(xs),
             #[cfg(target_arch = "x86_64")]
-            // SAFETY: `detect` chose this kernel only after finding its features.
-            Self::Avx2 => unsafe { avx2::quantize(xs) },
+            // SAFETY: `supported` listed these kernels only after finding AVX2, FMA and F16C.
+            Self::Avx2 | Self::Avx2Vnni => unsafe { avx2::quantize(xs) },
         }
     }
 
@@ -290,15 +311,24 @@ impl Kernel {
                     *out = xs.map(|x| dot_scalar(format, w, x));
                 }
             }
-            // SAFETY (both): `detect` chose the kernel only after finding its features; every
-            // activation row holds `nb` blocks and `w` whole rows of `nb` blocks.
+            // SAFETY (all four): `supported` listed the kernel only after finding its features;
+            // every activation row holds `nb` blocks and `w` whole rows of `nb` blocks.
             #[cfg(target_arch = "x86_64")]
             Self::Avx2 => match format {
                 Format::Q4_1 => unsafe {
-                    avx2::dot_rows::<Q4_1_BYTES, R>(w.as_chunks().0, nb, xs, out)
+                    avx2_rows::dot_rows::<Q4_1_BYTES, R>(w.as_chunks().0, nb, xs, out)
                 },
                 Format::Q8_0 => unsafe {
-                    avx2::dot_rows::<Q8_0_BYTES, R>(w.as_chunks().0, nb, xs, out)
+                    avx2_rows::dot_rows::<Q8_0_BYTES, R>(w.as_chunks().0, nb, xs, out)
+                },
+            },
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2Vnni => match format {
+                Format::Q4_1 => unsafe {
+                    vnni_rows::dot_rows::<Q4_1_BYTES, R>(w.as_chunks().0, nb, xs, out)
+                },
+                Format::Q8_0 => unsafe {
+                    vnni_rows::dot_rows::<Q8_0_BYTES, R>(w.as_chunks().0, nb, xs, out)
                 },
             },
         }
@@ -310,6 +340,22 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{ActBlock, Q4_1_BYTES, QK};
+
+    /// The eight lane sums of four byte products `w · x` (`w` unsigned, `x` signed): `maddubs`
+    /// adds products in pairs into i16, which cannot saturate here (a pair is at most
+    /// 2 · 128 · 127), and `madd` adds the pairs into i32.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(super) fn lane_sums(w: __m256i, x: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1))
+    }
+
+    /// [`lane_sums`] in one VNNI instruction.
+    #[target_feature(enable = "avx2,avx512vl,avx512vnni")]
+    #[inline]
+    pub(super) fn lane_sums_vnni(w: __m256i, x: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x)
+    }
 
     /// [`super::quantize_scalar`] in AVX2: `cvtps` rounds to nearest even, as
     /// `round_ties_even` does.
@@ -348,80 +394,10 @@ mod avx2 {
         }
     }
 
-    /// [`super::dot_scalar`] of each weight row of `w` (blocks of `BYTES`, `nb` per row)
-    /// against `R` activation rows.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn dot_rows<const BYTES: usize, const R: usize>(
-        w: &[[u8; BYTES]],
-        nb: usize,
-        xs: [&[ActBlock]; R],
-        out: &mut [[f32; R]],
-    ) {
-        for (row, out) in w.chunks_exact(nb).zip(out) {
-            // Even and odd blocks in their own registers: one accumulator would make each
-            // block's multiply-add wait for the last one's.
-            let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
-            let (mut even_min, mut odd_min) = ([0f32; R], [0f32; R]);
-            let mut b = 0;
-            while b + 1 < nb {
-                block::<BYTES, R>(&row[b], xs.map(|x| &x[b]), &mut even, &mut even_min);
-                block::<BYTES, R>(&row[b + 1], xs.map(|x| &x[b + 1]), &mut odd, &mut odd_min);
-                b += 2;
-            }
-            if b < nb {
-                block::<BYTES, R>(&row[b], xs.map(|x| &x[b]), &mut even, &mut even_min);
-            }
-            for r in 0..R {
-                out[r] = sum_lanes(_mm256_add_ps(even[r], odd[r])) + (even_min[r] + odd_min[r]);
-            }
-        }
-    }
-
-    /// One weight block against the same block of `R` activation rows, added into `acc` and
-    /// (Q4_1) `min`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    fn block<const BYTES: usize, const R: usize>(
-        block: &[u8; BYTES],
-        xs: [&ActBlock; R],
-        acc: &mut [__m256; R],
-        min: &mut [f32; R],
-    ) {
-        let (d, m, q) = unpack::<BYTES>(block);
-        let weights = if BYTES == Q4_1_BYTES {
-            q
-        } else {
-            _mm256_sign_epi8(q, q)
-        };
-        for r in 0..R {
-            let x = xs[r];
-            // SAFETY: the block holds the 32 quants read.
-            let xq = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
-            // maddubs multiplies unsigned by signed bytes: Q4_1's nibbles are unsigned, Q8_0's
-            // signed weights go in as |w| with their sign moved onto x. Pairs stay under i16's
-            // limit (2 · 128 · 127).
-            let xq = if BYTES == Q4_1_BYTES {
-                xq
-            } else {
-                _mm256_sign_epi8(xq, q)
-            };
-            let products =
-                _mm256_madd_epi16(_mm256_maddubs_epi16(weights, xq), _mm256_set1_epi16(1));
-            acc[r] = _mm256_fmadd_ps(
-                _mm256_set1_ps(d * x.d),
-                _mm256_cvtepi32_ps(products),
-                acc[r],
-            );
-            if BYTES == Q4_1_BYTES {
-                min[r] = m.mul_add(x.s, min[r]);
-            }
-        }
-    }
-
     /// A block's scale, minimum (0 for Q8_0) and 32 quants in element order.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    fn unpack<const BYTES: usize>(block: &[u8; BYTES]) -> (f32, f32, __m256i) {
+    pub(super) fn unpack<const BYTES: usize>(block: &[u8; BYTES]) -> (f32, f32, __m256i) {
         let halves = |i: usize| i32::from(u16::from_le_bytes([block[i], block[i + 1]]));
         if BYTES == Q4_1_BYTES {
             let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(halves(0) | halves(2) << 16));
@@ -445,12 +421,104 @@ mod avx2 {
     /// `((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7))`.
     #[target_feature(enable = "avx2")]
     #[inline]
-    fn sum_lanes(v: __m256) -> f32 {
+    pub(super) fn sum_lanes(v: __m256) -> f32 {
         let halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));
         _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)))
     }
 }
+
+/// The AVX2 kernel's rows, once for each way of forming a block's lane sums.
+#[cfg(target_arch = "x86_64")]
+macro_rules! byte_dot_kernel {
+    ($name:ident, $features:literal, $lane_sums:path) => {
+        mod $name {
+            use std::arch::x86_64::*;
+
+            use super::avx2::{sum_lanes, unpack};
+            use super::{ActBlock, Q4_1_BYTES};
+
+            /// [`super::dot_scalar`] of each weight row of `w` (blocks of `BYTES`, `nb` per row)
+            /// against `R` activation rows.
+            #[target_feature(enable = $features)]
+            pub(super) fn dot_rows<const BYTES: usize, const R: usize>(
+                w: &[[u8; BYTES]],
+                nb: usize,
+                xs: [&[ActBlock]; R],
+                out: &mut [[f32; R]],
+            ) {
+                for (row, out) in w.chunks_exact(nb).zip(out) {
+                    // Even and odd blocks in their own registers: one accumulator would make each
+                    // block's multiply-add wait for the last one's.
+                    let (mut even, mut odd) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
+                    let (mut even_min, mut odd_min) = ([0f32; R], [0f32; R]);
+                    let mut b = 0;
+                    while b + 1 < nb {
+                        let (next, x_next) = (&row[b + 1], xs.map(|x| &x[b + 1]));
+                        block::<BYTES, R>(&row[b], xs.map(|x| &x[b]), &mut even, &mut even_min);
+                        block::<BYTES, R>(next, x_next, &mut odd, &mut odd_min);
+                        b += 2;
+                    }
+                    if b < nb {
+                        block::<BYTES, R>(&row[b], xs.map(|x| &x[b]), &mut even, &mut even_min);
+                    }
+                    for r in 0..R {
+                        let lanes = _mm256_add_ps(even[r], odd[r]);
+                        out[r] = sum_lanes(lanes) + (even_min[r] + odd_min[r]);
+                    }
+                }
+            }
+
+            /// One weight block against the same block of `R` activation rows, added into
+            /// `acc` and (Q4_1) `min`.
+            #[target_feature(enable = $features)]
+            #[inline]
+            fn block<const BYTES: usize, const R: usize>(
+                block: &[u8; BYTES],
+                xs: [&ActBlock; R],
+                acc: &mut [__m256; R],
+                min: &mut [f32; R],
+            ) {
+                let (d, m, q) = unpack::<BYTES>(block);
+                let weights = if BYTES == Q4_1_BYTES {
+                    q
+                } else {
+                    _mm256_sign_epi8(q, q)
+                };
+                for r in 0..R {
+                    let x = xs[r];
+                    // SAFETY: the block holds the 32 quants read.
+                    let xq = unsafe { _mm256_loadu_si256(x.qs.as_ptr().cast()) };
+                    // The lane sums multiply unsigned by signed bytes: Q4_1's nibbles are
+                    // unsigned; Q8_0's signed weights go in as |w|, their signs moved onto x.
+                    let xq = if BYTES == Q4_1_BYTES {
+                        xq
+                    } else {
+                        _mm256_sign_epi8(xq, q)
+                    };
+                    let products = $lane_sums(weights, xq);
+                    acc[r] = _mm256_fmadd_ps(
+                        _mm256_set1_ps(d * x.d),
+                        _mm256_cvtepi32_ps(products),
+                        acc[r],
+                    );
+                    if BYTES == Q4_1_BYTES {
+                        min[r] = m.mul_add(x.s, min[r]);
+                    }
+                }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+byte_dot_kernel!(avx2_rows, "avx2,fma,f16c", super::avx2::lane_sums);
+#[cfg(target_arch = "x86_64")]
+byte_dot_kernel!(
+    vnni_rows,
+    "avx2,fma,f16c,avx512vl,avx512vnni",
+    super::avx2::lane_sums_vnni
+);
 
 #[cfg(test)]
 mod tests {
@@ -483,14 +551,6 @@ mod tests {
         Arc::new(QTensor::quantize(&w, dtype).unwrap())
     }
 
-    fn kernels() -> Vec<Kernel> {
-        let mut kernels = vec![Kernel::Scalar];
-        if Kernel::detect() != Kernel::Scalar {
-            kernels.push(Kernel::detect());
-        }
-        kernels
-    }
-
     fn bits(v: &[f32]) -> Vec<u32> {
         v.iter().map(|v| v.to_bits()).collect()
     }
@@ -509,7 +569,7 @@ mod tests {
                 for rows in 1..=9 {
                     let x = random((rows, k), 7 + rows as u64);
                     let scalar = w.matmul_with(Kernel::Scalar, &x, rows);
-                    for kernel in kernels() {
+                    for kernel in Kernel::supported() {
                         let got = w.matmul_with(kernel, &x, rows);
                         assert_eq!(
                             bits(&scalar),
@@ -555,7 +615,7 @@ mod tests {
         }
         for block in x.as_chunks::<QK>().0 {
             let reference = quantize_scalar(block);
-            for kernel in kernels() {
+            for kernel in Kernel::supported() {
                 assert_eq!(kernel.quantize(block), reference, "{kernel:?} {block:?}");
             }
             let dequantised = reference.qs.map(|q| f32::from(q) * reference.d);
