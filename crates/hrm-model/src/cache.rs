@@ -368,14 +368,14 @@ fn build_mask(
     mask.to_dtype(dtype).map(Some)
 }
 
-/// Softmax over the last dimension: candle's fused kernel for inference; when gradients are
-/// being tracked, our fused kernel with its backward pass on the CPU in f32, else the composed
-/// form.
+/// Softmax over the last dimension: on the CPU in f32 our fused kernel (vectorised `exp`, and a
+/// backward pass when gradients are tracked); elsewhere candle's fused kernel for inference and
+/// the composed form for training.
 pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    if !x.track_op() {
-        candle_nn::ops::softmax_last_dim(x)
-    } else if x.device().is_cpu() && x.dtype() == DType::F32 {
+    if x.device().is_cpu() && x.dtype() == DType::F32 {
         Ok(x.contiguous()?.apply_op1(crate::fused::SoftmaxOp)?)
+    } else if !x.track_op() {
+        candle_nn::ops::softmax_last_dim(x)
     } else {
         candle_nn::ops::softmax(x, D::Minus1)
     }

@@ -288,7 +288,7 @@ impl Attention {
             }
         };
         let out = match gate {
-            Some(gate) => candle_nn::ops::sigmoid(&gate.reshape((b, s, h, d))?)?.mul(&out)?,
+            Some(gate) => crate::fused::sigmoid(&gate.reshape((b, s, h, d))?)?.mul(&out)?,
             None => out,
         };
         self.o_proj.forward(&out.reshape((b, s, h * d))?)

@@ -23,11 +23,13 @@
 //!   one pass backward (`dx = (softmax(x) - onehot(label)) · g`), no `[rows, vocab]` temporaries
 //!   besides the gradient itself.
 //!
-//! Their `exp` is `exp.rs`'s, eight lanes at a time.
+//! Their `exp` is `exp.rs`'s, eight lanes at a time. Inference uses [`SoftmaxOp`] too (on the
+//! CPU in f32) and [`sigmoid`] for the attention gate, for the same `exp`: glibc's scalar
+//! `expf` behind candle's own kernels was 6% of a prefill's samples.
 //!
 //! Each runs on f32 CPU tensors whose rows (last dimension) are contiguous at one stride, so a
 //! `narrow` of the last dimension needs no copy; callers use the composed form elsewhere. Rows
-//! are spread over rayon's pool. Tests hold each to the composed form's values and gradients.
+//! are spread over rayon's pool, except in tensors too small to pay for the hand-off. Tests hold each to the composed form's values and gradients.
 //! The slice helpers here also serve the fused AdamW step (`train::optim`).
 
 use std::sync::Arc;
@@ -173,10 +175,23 @@ fn row_readable(x: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
-/// A new `[rows, width]` buffer filled row by row by `fill(row_index, out_row)`, in parallel.
+/// Below this many values a row kernel runs on the calling thread: waking rayon's pool costs
+/// more than the work (a decode step's gate or router rows), and its workers would spin
+/// against the decode thread team.
+const PARALLEL_MIN_VALUES: usize = 1 << 14;
+
+/// A new `[rows, width]` buffer filled row by row by `fill(row_index, out_row)`, in parallel
+/// unless it is small.
 fn fill_rows(count: usize, width: usize, fill: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
     let mut out = vec![0.0f32; count * width];
-    if width > 0 {
+    if width == 0 {
+        return out;
+    }
+    if out.len() < PARALLEL_MIN_VALUES {
+        out.chunks_mut(width)
+            .enumerate()
+            .for_each(|(i, out)| fill(i, out));
+    } else {
         out.par_chunks_mut(width)
             .enumerate()
             .for_each(|(i, out)| fill(i, out));
@@ -295,6 +310,35 @@ impl CustomOp1 for SoftmaxOp {
     fn bwd(&self, _x: &Tensor, y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let grad = grad.contiguous()?;
         y.apply_op2_no_bwd(&grad, &SoftmaxGrad).map(Some)
+    }
+}
+
+/// `1 / (1 + exp(-x))` element-wise: on the CPU in f32 with the vectorised `exp` (inference: no
+/// backward pass, so only for untracked tensors), elsewhere candle's.
+pub(crate) fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
+    if !x.track_op() && x.device().is_cpu() && x.dtype() == candle_core::DType::F32 {
+        row_readable(x)?.apply_op1_no_bwd(&SigmoidOp)
+    } else {
+        candle_nn::ops::sigmoid(x)
+    }
+}
+
+struct SigmoidOp;
+
+impl CustomOp1 for SigmoidOp {
+    fn name(&self) -> &'static str {
+        "fused-sigmoid"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &CpuStorage,
+        layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        map_rows(storage, layout, |y, x| {
+            y.copy_from_slice(x);
+            exp::sigmoid_in_place(y);
+        })
     }
 }
 
@@ -1083,6 +1127,22 @@ pub(super) mod tests {
         let grad = |y: &Tensor| grads_of(y, &weights, &[&x]).remove(0);
         close(&grad(&fused), &grad(&reference), 1e-5);
         assert_eq!(grad(&fused).dtype(), DType::F32);
+    }
+
+    /// The inference gate: a narrowed (strided) input, against candle's sigmoid; a tracked input
+    /// keeps candle's op and its gradient.
+    #[test]
+    fn sigmoid_values_are_candles() {
+        let mut rng = StdRng::seed_from_u64(8);
+        let both = random(&mut rng, (5, 3, 48), -30.0..30.0);
+        let gate = both.narrow(D::Minus1, 16, 24).unwrap();
+        let ours = sigmoid(&gate).unwrap();
+        assert_eq!(ours.dims(), gate.dims());
+        close(&ours, &candle_nn::ops::sigmoid(&gate).unwrap(), 1e-6);
+        let x = random_var(&mut rng, (4, 9), -5.0..5.0);
+        let y = sigmoid(x.as_tensor()).unwrap();
+        let grad = y.sum_all().unwrap().backward().unwrap();
+        assert!(grad.get(x.as_tensor()).is_some());
     }
 
     #[test]
