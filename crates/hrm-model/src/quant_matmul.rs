@@ -46,8 +46,8 @@ const Q4_1_BYTES: usize = 20;
 /// Bytes per ggml Q8_0 block: f16 scale `d`, then 32 signed bytes.
 const Q8_0_BYTES: usize = 34;
 /// Activation rows dotted against one weight row per pass, so that each weight block is
-/// unpacked once for up to this many rows.
-const ROW_TILE: usize = 4;
+/// unpacked once for up to this many rows: [`Kernel::row_tile`] of them, at most this.
+const ROW_TILE: usize = 8;
 /// Lanes of eight 4-element sums per block (one AVX2 register of i32).
 const LANES: usize = 8;
 
@@ -176,15 +176,16 @@ impl<'a> QuantWeights<'a> {
         let xs: Vec<&[ActBlock]> = xq.chunks_exact(nb).collect();
         crate::team::columns_in_parallel(rows, self.out, |range, block| {
             let w = self.rows(range.clone());
-            let mut dots = vec![0f32; range.len() * ROW_TILE];
-            for (t, tile) in xs.chunks(ROW_TILE).enumerate() {
+            let row_tile = kernel.row_tile();
+            let mut dots = vec![0f32; range.len() * row_tile];
+            for (t, tile) in xs.chunks(row_tile).enumerate() {
                 let dots = &mut dots[..range.len() * tile.len()];
                 kernel.dot_rows(self.format, w, nb, tile, dots);
                 for (column, dots) in block
                     .chunks_exact_mut(rows)
                     .zip(dots.chunks_exact(tile.len()))
                 {
-                    column[t * ROW_TILE..][..tile.len()].copy_from_slice(dots);
+                    column[t * row_tile..][..tile.len()].copy_from_slice(dots);
                 }
             }
         })
@@ -268,6 +269,16 @@ impl Kernel {
         kernels
     }
 
+    /// Activation rows per pass over a weight row: the AVX2 kernel's sixteen registers hold the
+    /// accumulators of four, VNNI's thirty-two (AVX-512's EVEX encoding) those of eight.
+    fn row_tile(self) -> usize {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2Vnni => ROW_TILE,
+            _ => 4,
+        }
+    }
+
     fn quantize(self, xs: &[f32; QK]) -> ActBlock {
         match self {
             Self::Scalar => quantize_scalar(xs),
@@ -286,6 +297,14 @@ impl Kernel {
             [a, b] => self.dot_rows_of::<2>(format, w, nb, [a, b], out),
             [a, b, c] => self.dot_rows_of::<3>(format, w, nb, [a, b, c], out),
             [a, b, c, d] => self.dot_rows_of::<4>(format, w, nb, [a, b, c, d], out),
+            [a, b, c, d, e] => self.dot_rows_of::<5>(format, w, nb, [a, b, c, d, e], out),
+            [a, b, c, d, e, f] => self.dot_rows_of::<6>(format, w, nb, [a, b, c, d, e, f], out),
+            [a, b, c, d, e, f, g] => {
+                self.dot_rows_of::<7>(format, w, nb, [a, b, c, d, e, f, g], out)
+            }
+            [a, b, c, d, e, f, g, h] => {
+                self.dot_rows_of::<8>(format, w, nb, [a, b, c, d, e, f, g, h], out)
+            }
             _ => unreachable!("row tile of {}", xs.len()),
         }
     }
