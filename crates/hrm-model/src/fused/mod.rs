@@ -29,8 +29,9 @@
 //!
 //! Each runs on f32 CPU tensors whose rows (last dimension) are contiguous at one stride, so a
 //! `narrow` of the last dimension needs no copy; callers use the composed form elsewhere. Rows
-//! are spread over rayon's pool, except in tensors too small to pay for the hand-off. Tests hold each to the composed form's values and gradients.
-//! The slice helpers here also serve the fused AdamW step (`train::optim`).
+//! are spread over rayon's pool, except in tensors too small to pay for the hand-off. Tests
+//! hold each to the composed form's values and gradients. The slice helpers here also serve
+//! the fused AdamW step (`train::optim`).
 
 use std::sync::Arc;
 
