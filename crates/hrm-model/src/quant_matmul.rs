@@ -255,6 +255,7 @@ impl Kernel {
 
     /// Every kernel this CPU runs, slowest first.
     fn supported() -> Vec<Self> {
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut kernels = vec![Self::Scalar];
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2")
