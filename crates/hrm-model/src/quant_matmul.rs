@@ -246,11 +246,14 @@ enum Kernel {
 }
 
 impl Kernel {
-    /// The fastest kernel this CPU runs.
+    /// The fastest kernel this CPU runs, found once per process (every matmul asks).
     fn detect() -> Self {
-        *Self::supported()
-            .last()
-            .expect("the scalar kernel runs anywhere")
+        static FASTEST: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+        *FASTEST.get_or_init(|| {
+            *Self::supported()
+                .last()
+                .expect("the scalar kernel runs anywhere")
+        })
     }
 
     /// Every kernel this CPU runs, slowest first.
@@ -331,26 +334,29 @@ impl Kernel {
                     *out = xs.map(|x| dot_scalar(format, w, x));
                 }
             }
-            // SAFETY (all four): `supported` listed the kernel only after finding its features;
-            // every activation row holds `nb` blocks and `w` whole rows of `nb` blocks.
             #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => match format {
-                Format::Q4_1 => unsafe {
-                    avx2_rows::dot_rows::<Q4_1_BYTES, R>(w.as_chunks().0, nb, xs, out)
-                },
-                Format::Q8_0 => unsafe {
-                    avx2_rows::dot_rows::<Q8_0_BYTES, R>(w.as_chunks().0, nb, xs, out)
-                },
+            Self::Avx2 | Self::Avx2Vnni => match format {
+                Format::Q4_1 => self.vector_rows::<Q4_1_BYTES, R>(w.as_chunks().0, nb, xs, out),
+                Format::Q8_0 => self.vector_rows::<Q8_0_BYTES, R>(w.as_chunks().0, nb, xs, out),
             },
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx2Vnni => match format {
-                Format::Q4_1 => unsafe {
-                    vnni_rows::dot_rows::<Q4_1_BYTES, R>(w.as_chunks().0, nb, xs, out)
-                },
-                Format::Q8_0 => unsafe {
-                    vnni_rows::dot_rows::<Q8_0_BYTES, R>(w.as_chunks().0, nb, xs, out)
-                },
-            },
+        }
+    }
+
+    /// [`Self::dot_rows_of`] on a vector kernel, with the weight rows as blocks of `BYTES`.
+    #[cfg(target_arch = "x86_64")]
+    fn vector_rows<const BYTES: usize, const R: usize>(
+        self,
+        w: &[[u8; BYTES]],
+        nb: usize,
+        xs: [&[ActBlock]; R],
+        out: &mut [[f32; R]],
+    ) {
+        // SAFETY (both): `supported` listed the kernel only after finding its features; every
+        // activation row holds `nb` blocks and `w` whole rows of `nb` blocks.
+        match self {
+            Self::Avx2 => unsafe { avx2_rows::dot_rows::<BYTES, R>(w, nb, xs, out) },
+            Self::Avx2Vnni => unsafe { vnni_rows::dot_rows::<BYTES, R>(w, nb, xs, out) },
+            Self::Scalar => unreachable!("the scalar kernel has no vector rows"),
         }
     }
 }
