@@ -739,16 +739,26 @@ def update_doc(path, block):
 # ---------------------------------------------------------------------------------------------
 
 
+# The instruction sets that pick our kernels, gemm's and the peers': a figure means little
+# without them (the same model name covers AVX2-only and AVX-512 parts).
+VECTOR_FLAGS = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+                "avx512_bf16", "amx_tile"]
+
+
 def machine():
-    model = "unknown CPU"
+    cpu = {}
     with open("/proc/cpuinfo") as f:
         for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
+            if not line.strip():
                 break
+            key, _, value = line.partition(":")
+            cpu[key.strip()] = value.strip()
+    flags = set(cpu.get("flags", "").split())
+    vector = " ".join(f for f in VECTOR_FLAGS if f in flags) or "no AVX2"
     with open("/proc/meminfo") as f:
         mem = int(f.readline().split()[1]) / 1024 / 1024
-    return f"this machine ({model}, {os.cpu_count()} cores, {mem:.0f} GiB)"
+    return (f"this machine ({cpu.get('model name', 'unknown CPU')}, family {cpu.get('cpu family', '?')} "
+            f"model {cpu.get('model', '?')}, flags {vector}; {os.cpu_count()} cores, {mem:.0f} GiB)")
 
 
 def package_versions(python, names):
