@@ -20,6 +20,12 @@ accompanied by `expected.safetensors`:
 and, for `hrm-text` and `llama-tied`, `gradients.safetensors`: transformers' causal-LM loss on `input_ids` (`loss`) and the
 gradient of every trainable parameter, under the checkpoint's tensor names.
 
+`moe-block.safetensors` checks the mixture-of-experts block of `hrm_text_moe` on its own:
+transformers' `MixtralSparseMoeBlock` routes the same way (softmax, top-k, renormalised over the
+kept experts) and stores its experts in the same fused layout. It holds the block's weights under
+`hrm_text_moe`'s names, an input `x`, a probe, the output, Mixtral's load-balancing loss (`aux`,
+which is `top_k` times ours), and the gradients (`grad.NAME`) of `sum(out * probe) + 0.5 * aux`.
+
 For `hrm_text` with `prefix_lm`, the prompt carries `token_type_ids == 1`, so it
 is one bidirectional block and the rest is causal, in both passes.
 """
@@ -219,6 +225,42 @@ def llama_fixture(name, tok, tok_path, kv_heads, tied, max_shard_size=None, grad
     save_fixture(name, model, tok, tok_path, max_shard_size=max_shard_size, gradients=gradients)
 
 
+def moe_block_fixture():
+    """One `MixtralSparseMoeBlock` forward and backward pass (see the module docstring)."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, load_balancing_loss_func
+
+    torch.manual_seed(2024)
+    experts, top_k, hidden = 4, 2, 32
+    config = MixtralConfig(
+        hidden_size=hidden, intermediate_size=48, num_local_experts=experts, num_experts_per_tok=top_k,
+        router_jitter_noise=0.0, hidden_act="silu", experts_implementation="eager",
+    )
+    block = MixtralSparseMoeBlock(config).train()
+    with torch.no_grad():  # the expert weights are created empty; the router is a plain Parameter too
+        for p in block.parameters():
+            p.normal_(0.0, 0.1)
+    params = {
+        "router.weight": block.gate.weight,
+        "experts.gate_up_proj": block.experts.gate_up_proj,
+        "experts.down_proj": block.experts.down_proj,
+    }
+    x = torch.randn(2, 9, hidden, requires_grad=True)
+    probe = torch.randn(2, 9, hidden)
+    out = block(x)
+    router_logits = torch.nn.functional.linear(x.reshape(-1, hidden), block.gate.weight)
+    aux = load_balancing_loss_func((router_logits,), experts, top_k)
+    ((out * probe).sum() + 0.5 * aux).backward()
+    tensors = {name: p.detach().clone() for name, p in params.items()}
+    tensors.update({f"grad.{name}": p.grad.clone() for name, p in params.items()})
+    tensors.update(
+        {"x": x.detach(), "probe": probe, "out": out.detach(), "aux": aux.detach().reshape(1), "grad.x": x.grad}
+    )
+    path = os.path.join(FIXTURES, "moe-block.safetensors")
+    save_file({k: v.to(torch.float32).contiguous() for k, v in tensors.items()}, path)
+    print(f"wrote {path}: aux {aux.item():.4f}")
+
+
 def gguf_reference():
     """Greedy continuation and log-prob of " Paris" from the dequantised SmolLM2 GGUF."""
     import importlib.util
@@ -272,6 +314,7 @@ def main():
     llama_fixture("llama-gqa", tok, tok_path, kv_heads=2, tied=False, max_shard_size="150KB")
     llama_fixture("llama-tied", tok, tok_path, kv_heads=4, tied=True, gradients=True)
     os.remove(tok_path)
+    moe_block_fixture()
     if args.gguf:
         gguf_reference()
     return 0

@@ -1,5 +1,6 @@
 //! `hrm_text_moe`: one expert with top-1 is the dense model; routing is dropless (a token's output
-//! never depends on its batch); and the router and expert gradients agree with finite differences.
+//! never depends on its batch); the router and expert gradients agree with finite differences; and
+//! the block's output and gradients match transformers' Mixtral block with the same weights.
 
 mod common;
 
@@ -168,6 +169,74 @@ fn router_and_experts_agree_with_finite_differences() {
         assert!(
             grad.iter().any(|g| g.abs() > 1e-9),
             "{name}: gradient is all zero"
+        );
+    }
+}
+
+/// The block against transformers' `MixtralSparseMoeBlock` with the same weights
+/// (`tests/fixtures/moe-block.safetensors`, from `tests/reference/make_fixtures.py`): output,
+/// load-balancing loss, and the gradients of `sum(out * probe) + 0.5 * aux` through the fused
+/// gather, grouped matmuls, SwiGLU and weighted scatter.
+#[test]
+fn block_and_gradients_match_transformers_mixtral() {
+    let device = Device::Cpu;
+    let reference: HashMap<String, Tensor> =
+        candle_core::safetensors::load(fixture("moe-block.safetensors"), &device).unwrap();
+    let weights = ["router.weight", "experts.gate_up_proj", "experts.down_proj"];
+    let varmap = VarMap::new();
+    {
+        let mut data = varmap.data().lock().unwrap();
+        for name in weights {
+            let var = Var::from_tensor(&reference[name]).unwrap();
+            data.insert(format!("mlp.{name}"), var);
+        }
+    }
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &device);
+    let (experts, two_intermediate, hidden) = reference["experts.gate_up_proj"].dims3().unwrap();
+    let top_k = 2;
+    let moe = MoeMlp::load(vb.pp("mlp"), hidden, two_intermediate / 2, experts, top_k).unwrap();
+    let x = Var::from_tensor(&reference["x"]).unwrap();
+
+    let (out, aux) = moe.forward(x.as_tensor()).unwrap();
+    let diff = max_abs_diff(&out, &reference["out"]);
+    assert!(diff < 1e-5, "block output differs from Mixtral's by {diff}");
+    // Mixtral counts each token's k choices against 1, where ours counts them against k.
+    let mixtral_aux = (aux * top_k as f64).unwrap();
+    let theirs = reference["aux"].to_vec1::<f32>().unwrap()[0];
+    let ours = mixtral_aux.to_scalar::<f32>().unwrap();
+    assert!(
+        (ours - theirs).abs() < 1e-5,
+        "aux {ours} vs Mixtral {theirs}"
+    );
+
+    let objective = ((out * &reference["probe"]).unwrap().sum_all().unwrap()
+        + (mixtral_aux * 0.5).unwrap())
+    .unwrap();
+    let grads = objective.backward().unwrap();
+    let mut checked: Vec<(String, Tensor)> = weights
+        .iter()
+        .map(|name| {
+            let var = varmap.data().lock().unwrap()[&format!("mlp.{name}")].clone();
+            (name.to_string(), var.as_tensor().clone())
+        })
+        .collect();
+    checked.push(("x".into(), x.as_tensor().clone()));
+    for (name, tensor) in checked {
+        let want = &reference[&format!("grad.{name}")];
+        let got = grads
+            .get(&tensor)
+            .unwrap_or_else(|| panic!("no gradient for {name}"));
+        let scale = want
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        let diff = max_abs_diff(got, want);
+        assert!(
+            diff <= 1e-5 * scale.max(1e-3),
+            "{name}: gradient differs from Mixtral's by {diff} (scale {scale})"
         );
     }
 }
