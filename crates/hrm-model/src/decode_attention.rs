@@ -12,8 +12,10 @@
 //!   gradient come here ([`crate::cache::ForwardBatch::decode_attention`] decides).
 //! - Each (sequence, head) pair is computed on its own in a fixed order, so a sequence's output
 //!   does not depend on the batch around it.
-//! - Scores use the decode products' dot kernel ([`crate::decode_matmul::Kernel`]); the result
-//!   agrees with the general path within f32 rounding, not bit for bit (tests).
+//! - Scores and the probability-weighted sum of values use the decode products' vector kernels
+//!   ([`crate::decode_matmul::Kernel`]), and the softmax the vectorised `exp` of the prefill's
+//!   softmax ([`crate::fused::exp_in_place`]); the result agrees with the general path within
+//!   f32 rounding, not bit for bit (tests).
 
 use crate::decode_matmul::{Kernel, ROW_TILE};
 
@@ -95,17 +97,10 @@ fn attend_one(
     let max = scores
         .iter()
         .fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
-    let mut sum = 0f32;
-    for s in &mut scores {
-        *s = (*s * scale - max).exp();
-        sum += *s;
-    }
-    out.fill(0.0);
-    for (p, v) in scores.iter().zip(values.chunks_exact(d)) {
-        for (o, v) in out.iter_mut().zip(v) {
-            *o += p * v;
-        }
-    }
+    scores.iter_mut().for_each(|s| *s = *s * scale - max);
+    crate::fused::exp_in_place(&mut scores);
+    let sum: f32 = scores.iter().sum();
+    kernel.weighted_rows(&scores, values, out);
     let inverse = 1.0 / sum;
     out.iter_mut().for_each(|o| *o *= inverse);
 }

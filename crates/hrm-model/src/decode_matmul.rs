@@ -129,6 +129,28 @@ impl Kernel {
             Self::Avx512 => unsafe { avx512::dots(w, xs, out) },
         }
     }
+
+    /// `out = Σ_j p[j] · rows[j]` over the `p.len()` rows of `rows`, each `out.len()` long
+    /// (decode attention's probability-weighted sum of values).
+    pub(crate) fn weighted_rows(self, p: &[f32], rows: &[f32], out: &mut [f32]) {
+        assert_eq!(rows.len(), p.len() * out.len(), "weighted rows: lengths");
+        match self {
+            Self::Scalar => {
+                out.fill(0.0);
+                for (p, row) in p.iter().zip(rows.chunks_exact(out.len().max(1))) {
+                    for (o, v) in out.iter_mut().zip(row) {
+                        *o += p * v;
+                    }
+                }
+            }
+            // SAFETY (both): `detect` chose the kernel only after finding its features, and
+            // `rows` was checked above to hold `p.len()` rows as long as `out`.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => unsafe { avx2::weighted_rows(p, rows, out) },
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => unsafe { avx512::weighted_rows(p, rows, out) },
+        }
+    }
 }
 
 /// One vector kernel per instruction set: `dots(w, xs, out)` sets `out[i] = w · xs[i]`, reading
@@ -137,7 +159,7 @@ impl Kernel {
 #[cfg(target_arch = "x86_64")]
 macro_rules! vector_kernel {
     ($name:ident, $features:literal, $lanes:literal, $zero:ident, $load:ident, $fma:ident,
-     $add:ident, $sum:path) => {
+     $add:ident, $sum:path, $splat:ident, $store:ident) => {
         mod $name {
             use std::arch::x86_64::*;
 
@@ -188,6 +210,53 @@ macro_rules! vector_kernel {
                     *out = $sum($add(even, odd)) + tail;
                 }
             }
+
+            /// `out = Σ_j p[j] · rows[j]`, four vectors of `out` at a time held in registers
+            /// over all the rows, then one vector at a time, then the scalar tail; each
+            /// element sums its rows in order with fused multiply-adds.
+            ///
+            /// # Safety
+            /// The CPU has the module's features, and `rows` holds `p.len()` rows as long as
+            /// `out`.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn weighted_rows(p: &[f32], rows: &[f32], out: &mut [f32]) {
+                const WIDE: usize = 4 * $lanes;
+                let d = out.len();
+                let mut c = 0;
+                // SAFETY (both loops): every load and store covers c..c + lanes <= d of a row
+                // of `rows` or of `out`.
+                while c + WIDE <= d {
+                    let mut acc = [$zero(); 4];
+                    for (j, &pj) in p.iter().enumerate() {
+                        let (w, row) = ($splat(pj), rows[j * d + c..].as_ptr());
+                        for (i, acc) in acc.iter_mut().enumerate() {
+                            *acc = $fma(w, unsafe { $load(row.add(i * $lanes)) }, *acc);
+                        }
+                    }
+                    for (i, acc) in acc.into_iter().enumerate() {
+                        unsafe { $store(out[c + i * $lanes..].as_mut_ptr(), acc) };
+                    }
+                    c += WIDE;
+                }
+                while c + $lanes <= d {
+                    let mut acc = $zero();
+                    for (j, &pj) in p.iter().enumerate() {
+                        acc = $fma(
+                            $splat(pj),
+                            unsafe { $load(rows[j * d + c..].as_ptr()) },
+                            acc,
+                        );
+                    }
+                    unsafe { $store(out[c..].as_mut_ptr(), acc) };
+                    c += $lanes;
+                }
+                for (e, o) in out.iter_mut().enumerate().skip(c) {
+                    *o = p
+                        .iter()
+                        .enumerate()
+                        .fold(0.0, |acc, (j, pj)| pj.mul_add(rows[j * d + e], acc));
+                }
+            }
         }
     };
 }
@@ -201,7 +270,9 @@ vector_kernel!(
     _mm512_loadu_ps,
     _mm512_fmadd_ps,
     _mm512_add_ps,
-    _mm512_reduce_add_ps
+    _mm512_reduce_add_ps,
+    _mm512_set1_ps,
+    _mm512_storeu_ps
 );
 
 #[cfg(target_arch = "x86_64")]
@@ -213,7 +284,9 @@ vector_kernel!(
     _mm256_loadu_ps,
     _mm256_fmadd_ps,
     _mm256_add_ps,
-    super::sum_256
+    super::sum_256,
+    _mm256_set1_ps,
+    _mm256_storeu_ps
 );
 
 /// The sum of an AVX register's eight lanes.
@@ -284,6 +357,45 @@ mod tests {
             }
             let y = forward(&w, &x).unwrap();
             assert_eq!(y.dims(), &[batch, 1, out]);
+        }
+    }
+
+    /// Every kernel's weighted sum of rows against candle's `p · rows`, for row lengths with
+    /// and without the wide (four-vector) part, the one-vector part and a scalar tail.
+    #[test]
+    fn every_kernel_weights_rows_as_candle_does() {
+        for (count, d) in [
+            (1, 64),
+            (7, 64),
+            (300, 64),
+            (5, 40),
+            (9, 100),
+            (3, 7),
+            (2, 128),
+        ] {
+            let p = random((1, 1, count), d as u64);
+            let rows = random((1, count, d), count as u64);
+            let reference: Vec<f32> = p
+                .squeeze(0)
+                .unwrap()
+                .matmul(&rows.squeeze(0).unwrap())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let p: Vec<f32> = p.flatten_all().unwrap().to_vec1().unwrap();
+            let rows: Vec<f32> = rows.flatten_all().unwrap().to_vec1().unwrap();
+            for kernel in kernels() {
+                let mut out = vec![f32::NAN; d];
+                kernel.weighted_rows(&p, &rows, &mut out);
+                for (i, (a, b)) in out.iter().zip(&reference).enumerate() {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * (1.0 + b.abs()) * (count as f32).sqrt(),
+                        "{kernel:?} {count} rows of {d}, element {i}: {a} vs {b}"
+                    );
+                }
+            }
         }
     }
 

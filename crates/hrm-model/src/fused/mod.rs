@@ -45,6 +45,7 @@ mod exp;
 mod linear;
 mod routing;
 pub use attention::AttentionOp;
+pub(crate) use exp::exp_in_place;
 pub use linear::linear;
 pub use routing::{Routing, combine_rows, gather_rows};
 
