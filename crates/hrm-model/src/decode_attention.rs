@@ -17,7 +17,7 @@
 //!   softmax ([`crate::fused::exp_in_place`]); the result agrees with the general path within
 //!   f32 rounding, not bit for bit (tests).
 
-use crate::decode_matmul::{Kernel, ROW_TILE};
+use crate::decode_matmul::Kernel;
 
 /// One sequence's cached keys and values for one attention slot: `[kv_heads, capacity,
 /// head_dim]` buffers, of which the first `len` positions of each head are filled.
@@ -91,7 +91,8 @@ fn attend_one(
     let d = q.len();
     let mut scores = vec![0f32; keys.len() / d.max(1)];
     let rows: Vec<&[f32]> = keys.chunks_exact(d).collect();
-    for (rows, scores) in rows.chunks(ROW_TILE).zip(scores.chunks_mut(ROW_TILE)) {
+    let tile = kernel.row_tile();
+    for (rows, scores) in rows.chunks(tile).zip(scores.chunks_mut(tile)) {
         kernel.dots(q, rows, scores);
     }
     let max = scores

@@ -56,8 +56,8 @@ pub(crate) fn forward(w: &Tensor, x: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(y, dims, x.device())
 }
 
-/// Activation rows dotted against each weight row per pass.
-pub(crate) const ROW_TILE: usize = 4;
+/// The most activation rows dotted against each weight row per pass ([`Kernel::row_tile`]).
+const ROW_TILE: usize = 8;
 /// How far ahead the vector kernels ask for weights (each cache line of the pass is asked for):
 /// as in the GGUF kernels (`quant_matmul.rs`), the hardware prefetcher of an Intel Xeon fell
 /// behind; here it took 0.94× the wall time of `hrm bench model` on `models/sample`.
@@ -76,11 +76,12 @@ fn matmul_with(
         return vec![0.0; rows * out];
     }
     let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
+    let row_tile = kernel.row_tile();
     crate::team::columns_in_parallel(rows, out, |range, block| {
         let w = &w[range.start * k..range.end * k];
-        for (t, tile) in xs.chunks(ROW_TILE).enumerate() {
+        for (t, tile) in xs.chunks(row_tile).enumerate() {
             for (j, w_row) in w.chunks_exact(k).enumerate() {
-                let dots = &mut block[j * rows + t * ROW_TILE..][..tile.len()];
+                let dots = &mut block[j * rows + t * row_tile..][..tile.len()];
                 kernel.dots(w_row, tile, dots);
             }
         }
@@ -111,18 +112,43 @@ impl Kernel {
         Self::Scalar
     }
 
-    /// `out[i] = w · xs[i]` for up to [`ROW_TILE`] activation rows, each as long as `w`.
+    /// Activation rows per pass over a weight row: two accumulators per row must stay in
+    /// registers, sixteen of them in AVX2, thirty-two in AVX-512.
+    pub(crate) fn row_tile(self) -> usize {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => ROW_TILE,
+            _ => 4,
+        }
+    }
+
+    /// `out[i] = w · xs[i]` for up to [`Self::row_tile`] activation rows, each as long as `w`.
     pub(crate) fn dots(self, w: &[f32], xs: &[&[f32]], out: &mut [f32]) {
-        assert!(xs.len() <= ROW_TILE && out.len() == xs.len());
+        assert!(xs.len() <= self.row_tile() && out.len() == xs.len());
         assert!(xs.iter().all(|x| x.len() == w.len()));
+        // A row count known at compile time keeps the accumulators in registers.
+        match *xs {
+            [a] => self.dots_of(w, [a], out),
+            [a, b] => self.dots_of(w, [a, b], out),
+            [a, b, c] => self.dots_of(w, [a, b, c], out),
+            [a, b, c, d] => self.dots_of(w, [a, b, c, d], out),
+            [a, b, c, d, e] => self.dots_of(w, [a, b, c, d, e], out),
+            [a, b, c, d, e, f] => self.dots_of(w, [a, b, c, d, e, f], out),
+            [a, b, c, d, e, f, g] => self.dots_of(w, [a, b, c, d, e, f, g], out),
+            [a, b, c, d, e, f, g, h] => self.dots_of(w, [a, b, c, d, e, f, g, h], out),
+            _ => unreachable!("row tile of {}", xs.len()),
+        }
+    }
+
+    fn dots_of<const R: usize>(self, w: &[f32], xs: [&[f32]; R], out: &mut [f32]) {
         match self {
             Self::Scalar => {
                 for (out, x) in out.iter_mut().zip(xs) {
-                    *out = w.iter().zip(*x).map(|(w, x)| w * x).sum();
+                    *out = w.iter().zip(x).map(|(w, x)| w * x).sum();
                 }
             }
             // SAFETY (both): `detect` chose the kernel only after finding its features, and
-            // every row was checked above to be as long as `w`.
+            // `dots` checked that every row is as long as `w`.
             #[cfg(target_arch = "x86_64")]
             Self::Avx2 => unsafe { avx2::dots(w, xs, out) },
             #[cfg(target_arch = "x86_64")]
@@ -168,13 +194,13 @@ macro_rules! vector_kernel {
             /// # Safety
             /// The CPU has the module's features, and every row of `xs` is as long as `w`.
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn dots(w: &[f32], xs: &[&[f32]], out: &mut [f32]) {
+            pub(super) unsafe fn dots<const R: usize>(w: &[f32], xs: [&[f32]; R], out: &mut [f32]) {
                 const STEP: usize = 2 * $lanes;
                 let k = w.len();
                 let pairs = k / STEP * STEP;
                 let full = k / $lanes * $lanes;
-                let mut even = [$zero(); super::ROW_TILE];
-                let mut odd = [$zero(); super::ROW_TILE];
+                let mut even = [$zero(); R];
+                let mut odd = [$zero(); R];
                 // SAFETY (both loops): every load reads `lanes` values from c < full <= k, the
                 // length of `w` and of every row.
                 let mut c = 0;
