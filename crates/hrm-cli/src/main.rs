@@ -99,24 +99,40 @@ fn init_logging(default_level: &str) {
         .init();
 }
 
+/// glibc's allocator settings for this process.
+///
 /// glibc gives threads their own heap arenas (up to eight per core) and keeps what each arena
 /// once held. The model work of every subcommand moves between threads of several pools (the
 /// async runtime's blocking threads, candle's rayon pool, the scheduler), so a long-running hub
 /// came to hold many arenas' worth of freed memory: in the network benchmark its peak RSS fell
 /// from 2.6-3.5 GB to 1.2-1.4 GB with two arenas (docs/performance.md). An operator's own
 /// `MALLOC_ARENA_MAX` wins.
+///
+/// Training also keeps the memory it frees. Every step allocates and frees the same large
+/// buffers (a micro-batch's logits and their gradient are 33 MB each at `hrm bench train`'s
+/// shapes); glibc serves blocks over 32 MB with a fresh `mmap` and gives freed memory at the top
+/// of a heap back to the system, so each step faulted all those pages in again (460,000 page
+/// faults in a 3-step `hrm bench train-run` of sample-llama, and most of the 23% of its samples
+/// in the kernel on an Intel Xeon). No `mmap` and no trimming take that to 120,000, a third less
+/// system time and 0.96× the wall time there; the HRM-Text configs' steps are unchanged
+/// (docs/performance.md). An operator's own `MALLOC_MMAP_MAX_` or `MALLOC_TRIM_THRESHOLD_` wins.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn limit_malloc_arenas() {
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
-        // SAFETY: mallopt only sets an allocator parameter; it runs before any other thread.
+fn tune_malloc(trains: bool) {
+    let unset = |name: &str| std::env::var_os(name).is_none();
+    // SAFETY (all): mallopt only sets an allocator parameter; it runs before any other thread.
+    if unset("MALLOC_ARENA_MAX") {
+        unsafe { libc::mallopt(libc::M_ARENA_MAX, 2) };
+    }
+    if trains && unset("MALLOC_MMAP_MAX_") && unset("MALLOC_TRIM_THRESHOLD_") {
         unsafe {
-            libc::mallopt(libc::M_ARENA_MAX, 2);
+            libc::mallopt(libc::M_MMAP_MAX, 0);
+            libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
         }
     }
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn limit_malloc_arenas() {}
+fn tune_malloc(_trains: bool) {}
 
 /// The matches of the subcommand at `path`, which clap has already checked is the one given.
 fn subcommand<'a>(matches: &'a ArgMatches, path: &[&str]) -> &'a ArgMatches {
@@ -127,12 +143,15 @@ fn subcommand<'a>(matches: &'a ArgMatches, path: &[&str]) -> &'a ArgMatches {
 }
 
 fn main() -> ExitCode {
-    limit_malloc_arenas();
-    hrm_wire::install_tls_provider();
     // The matches travel with the arguments: they tell a flag from a default when the settings
     // file is layered in.
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    tune_malloc(matches!(
+        cli.command,
+        Command::Train(_) | Command::Worker(_) | Command::Bench(bench::BenchCommand::TrainRun(_))
+    ));
+    hrm_wire::install_tls_provider();
     let result = match cli.command {
         Command::Serve(args) => serve::run(*args, subcommand(&matches, &["serve"])),
         // The worker sets up its own logging: to a file under the terminal interface.
