@@ -223,6 +223,8 @@ pub fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor, layout: RopeLayout)
 pub enum AttnInput {
     /// One matrix producing `[gate, q, k, v]` (HRM-Text's `attn.gqkv_proj`).
     FusedGqkv(Linear),
+    /// One matrix producing `[q, k, v]` (a GGUF's separate matrices stacked at load).
+    FusedQkv(Linear),
     /// Separate q, k and v (Llama).
     Split { q: Linear, k: Linear, v: Linear },
 }
@@ -262,6 +264,15 @@ impl Attention {
                 let all = proj.forward(x)?;
                 let part = |i: usize| all.narrow(D::Minus1, i * h * d, h * d);
                 (Some(part(0)?), part(1)?, part(2)?, part(3)?)
+            }
+            AttnInput::FusedQkv(proj) => {
+                let all = proj.forward(x)?;
+                (
+                    None,
+                    all.narrow(D::Minus1, 0, h * d)?,
+                    all.narrow(D::Minus1, h * d, kvh * d)?,
+                    all.narrow(D::Minus1, (h + kvh) * d, kvh * d)?,
+                )
             }
             AttnInput::Split { q, k, v } => (None, q.forward(x)?, k.forward(x)?, v.forward(x)?),
         };
@@ -305,7 +316,9 @@ impl Attention {
     ) -> Result<Option<Tensor>> {
         let tracked = x.track_op()
             || match &self.input {
-                AttnInput::FusedGqkv(Linear::Dense(l)) => l.weight().track_op(),
+                AttnInput::FusedGqkv(Linear::Dense(l)) | AttnInput::FusedQkv(Linear::Dense(l)) => {
+                    l.weight().track_op()
+                }
                 AttnInput::Split { q, .. } => {
                     matches!(q, Linear::Dense(l) if l.weight().track_op())
                 }
@@ -316,6 +329,7 @@ impl Attention {
         }
         let (proj, gated) = match &self.input {
             AttnInput::FusedGqkv(proj) => (proj.forward(x)?, true),
+            AttnInput::FusedQkv(proj) => (proj.forward(x)?, false),
             AttnInput::Split { q, k, v } => match stacked_for_training(&[q, k, v])? {
                 Some(w) => (crate::fused::linear(x, &w)?, false),
                 None => return Ok(None),
@@ -336,7 +350,7 @@ impl Attention {
 
     pub fn weight_bytes(&self) -> usize {
         let input = match &self.input {
-            AttnInput::FusedGqkv(p) => p.weight_bytes(),
+            AttnInput::FusedGqkv(p) | AttnInput::FusedQkv(p) => p.weight_bytes(),
             AttnInput::Split { q, k, v } => q.weight_bytes() + k.weight_bytes() + v.weight_bytes(),
         };
         input + self.o_proj.weight_bytes()

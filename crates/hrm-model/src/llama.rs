@@ -4,7 +4,7 @@
 //! GGUF stores the q and k rows permuted for llama.cpp's interleaved rotary pairs, so GGUF models
 //! use [`RopeLayout::Interleaved`] on the stored weights instead of un-permuting them.
 
-use candle_core::quantized::{QMatMul, gguf_file};
+use candle_core::quantized::{QMatMul, QTensor, ggml_file, gguf_file};
 use candle_core::{DType, Device, Module, Result};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
@@ -239,22 +239,28 @@ impl Llama {
         let embed_tokens = candle_nn::Embedding::new(embed, hidden);
         let mut layers = Vec::with_capacity(layers_n);
         for i in 0..layers_n {
-            let mut q = |suffix: &str| -> Result<Linear> {
-                Ok(Linear::Quantized(QMatMul::from_qtensor(tensor(
-                    &format!("blk.{i}.{suffix}.weight"),
-                )?)?))
+            let mut q = |suffix: &str| tensor(&format!("blk.{i}.{suffix}.weight"));
+            let linear =
+                |t: QTensor| -> Result<Linear> { Ok(Linear::Quantized(QMatMul::from_qtensor(t)?)) };
+            let (wq, wk, wv) = (q("attn_q")?, q("attn_k")?, q("attn_v")?);
+            let input = match stack_rows(&[&wq, &wk, &wv], device)? {
+                Some(qkv) => AttnInput::FusedQkv(linear(qkv)?),
+                None => AttnInput::Split {
+                    q: linear(wq)?,
+                    k: linear(wk)?,
+                    v: linear(wv)?,
+                },
             };
-            let input = AttnInput::Split {
-                q: q("attn_q")?,
-                k: q("attn_k")?,
-                v: q("attn_v")?,
+            let o_proj = linear(q("attn_output")?)?;
+            let (gate, up) = (q("ffn_gate")?, q("ffn_up")?);
+            let gate_up = match stack_rows(&[&gate, &up], device)? {
+                Some(both) => GateUp::Fused(linear(both)?),
+                None => GateUp::Split {
+                    gate: linear(gate)?,
+                    up: linear(up)?,
+                },
             };
-            let o_proj = q("attn_output")?;
-            let gate_up = GateUp::Split {
-                gate: q("ffn_gate")?,
-                up: q("ffn_up")?,
-            };
-            let down = q("ffn_down")?;
+            let down = linear(q("ffn_down")?)?;
             let attn_norm = tensor(&format!("blk.{i}.attn_norm.weight"))?.dequantize(device)?;
             let ffn_norm = tensor(&format!("blk.{i}.ffn_norm.weight"))?.dequantize(device)?;
             layers.push(DecoderLayer {
@@ -360,6 +366,31 @@ impl Llama {
     }
 }
 
+/// One quantised matrix holding `parts`' rows one after another, or `None` when their formats
+/// or widths differ. A row's product reads only its own blocks, so the stacked product is the
+/// parts' products side by side, bit for bit, in one parallel pass instead of one per part: a
+/// batch-1 decode step is short enough that each pass's hand-off to the threads shows.
+fn stack_rows(parts: &[&QTensor], device: &Device) -> Result<Option<QTensor>> {
+    let Some(first) = parts.first() else {
+        return Ok(None);
+    };
+    let width = |t: &QTensor| t.shape().dims2().map(|(_, k)| k).ok();
+    if parts
+        .iter()
+        .any(|t| t.dtype() != first.dtype() || width(t).is_none() || width(t) != width(first))
+    {
+        return Ok(None);
+    }
+    let mut bytes = Vec::new();
+    let mut rows = 0;
+    for part in parts {
+        bytes.extend_from_slice(&part.data()?);
+        rows += part.shape().dims2()?.0;
+    }
+    let k = width(first).expect("checked above");
+    ggml_file::qtensor_from_ggml(first.dtype(), &bytes, vec![rows, k], device).map(Some)
+}
+
 fn norm(vb: VarBuilder, hidden: usize, eps: f64) -> Result<RmsNorm> {
     let weight = vb.get_with_hints(hidden, "weight", candle_nn::Init::Const(1.0))?;
     RmsNorm::new(Some(weight), hidden, eps, vb.device())
@@ -392,5 +423,59 @@ impl CausalLm for Llama {
 
     fn info(&self) -> &ModelInfo {
         &self.info
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::GgmlDType;
+    use candle_core::{Device, Module, Tensor};
+
+    use super::*;
+
+    fn quantized(rows: usize, k: usize, dtype: GgmlDType, seed: u64) -> QTensor {
+        let w = Tensor::rand(-1f32, 1.0, (rows, k), &Device::Cpu)
+            .unwrap()
+            .affine(1.0, seed as f64 * 1e-3)
+            .unwrap();
+        QTensor::quantize(&w, dtype).unwrap()
+    }
+
+    /// The stacked matrix gives each part's outputs, bit for bit, side by side, at batch 1 (a
+    /// decode step) and over several positions (prefill).
+    #[test]
+    fn stacked_rows_give_the_parts_outputs() {
+        for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+            let parts = [quantized(96, 64, dtype, 1), quantized(32, 64, dtype, 2)];
+            let stacked = stack_rows(&[&parts[0], &parts[1]], &Device::Cpu)
+                .unwrap()
+                .expect("same format and width");
+            let stacked = QMatMul::from_qtensor(stacked).unwrap();
+            let parts = parts.map(|p| QMatMul::from_qtensor(p).unwrap());
+            for positions in [1, 5] {
+                let x = Tensor::rand(-1f32, 1.0, (2, positions, 64), &Device::Cpu).unwrap();
+                let separate: Vec<Tensor> = parts.iter().map(|p| p.forward(&x).unwrap()).collect();
+                let expected = Tensor::cat(&separate, 2).unwrap();
+                let got = stacked.forward(&x).unwrap();
+                let bits = |t: &Tensor| -> Vec<u32> {
+                    let values: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+                    values.into_iter().map(f32::to_bits).collect()
+                };
+                assert_eq!(
+                    bits(&got),
+                    bits(&expected),
+                    "{dtype:?}, {positions} positions"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn parts_of_other_formats_or_widths_stay_apart() {
+        let q4 = quantized(32, 64, GgmlDType::Q4_1, 3);
+        let q8 = quantized(32, 64, GgmlDType::Q8_0, 4);
+        let wide = quantized(32, 128, GgmlDType::Q4_1, 5);
+        assert!(stack_rows(&[&q4, &q8], &Device::Cpu).unwrap().is_none());
+        assert!(stack_rows(&[&q4, &wide], &Device::Cpu).unwrap().is_none());
     }
 }
