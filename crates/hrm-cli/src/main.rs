@@ -111,10 +111,11 @@ fn init_logging(default_level: &str) {
 /// Training also keeps the memory it frees. Every step allocates and frees the same large
 /// buffers (a micro-batch's logits and their gradient are 33 MB each at `hrm bench train`'s
 /// shapes); glibc serves blocks over 32 MB with a fresh `mmap` and gives freed memory at the top
-/// of a heap back to the system, so each step faulted all those pages in again (460,000 page
-/// faults in a 3-step `hrm bench train-run` of sample-llama, and most of the 23% of its samples
-/// in the kernel on an Intel Xeon). No `mmap` and no trimming take that to 120,000, a third less
-/// system time and 0.96× the wall time there; the HRM-Text configs' steps are unchanged
+/// of a heap back to the system, so each step faulted all those pages in again: 460,000 page
+/// faults in a 3-step `hrm bench train-run` of sample-llama on an Intel Xeon (family 6 model
+/// 167), whose profile had 23% of its samples in the kernel (page faults, TLB shootdowns,
+/// memory-cgroup charging). No `mmap` and no trimming take that to 120,000, a third less system
+/// time and 0.96× the wall time there; the HRM-Text configs' steps are unchanged
 /// (docs/performance.md). An operator's own `MALLOC_MMAP_MAX_` or `MALLOC_TRIM_THRESHOLD_` wins.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn tune_malloc(trains: bool) {

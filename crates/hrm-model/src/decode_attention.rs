@@ -13,11 +13,11 @@
 //! - Each (sequence, head) pair is computed on its own in a fixed order, so a sequence's output
 //!   does not depend on the batch around it.
 //! - Scores and the probability-weighted sum of values use the decode products' vector kernels
-//!   ([`crate::decode_matmul::Kernel`]), and the softmax the vectorised `exp` of the prefill's
-//!   softmax ([`crate::fused::exp_in_place`]); the result agrees with the general path within
-//!   f32 rounding, not bit for bit (tests).
+//!   ([`crate::decode_matmul::Kernel`]), and the softmax is the prefill's
+//!   ([`crate::fused::softmax_in_place`]); the result agrees with the general path within f32
+//!   rounding, not bit for bit (tests).
 
-use crate::decode_matmul::Kernel;
+use crate::decode_matmul::{Kernel, Read};
 
 /// One sequence's cached keys and values for one attention slot: `[kv_heads, capacity,
 /// head_dim]` buffers, of which the first `len` positions of each head are filled.
@@ -93,17 +93,11 @@ fn attend_one(
     let rows: Vec<&[f32]> = keys.chunks_exact(d).collect();
     let tile = kernel.row_tile();
     for (rows, scores) in rows.chunks(tile).zip(scores.chunks_mut(tile)) {
-        kernel.dots(q, rows, scores);
+        kernel.dots(q, Read::Cached, rows, scores);
     }
-    let max = scores
-        .iter()
-        .fold(f32::NEG_INFINITY, |m, &s| m.max(s * scale));
-    scores.iter_mut().for_each(|s| *s = *s * scale - max);
-    crate::fused::exp_in_place(&mut scores);
-    let sum: f32 = scores.iter().sum();
+    scores.iter_mut().for_each(|s| *s *= scale);
+    crate::fused::softmax_in_place(&mut scores);
     kernel.weighted_rows(&scores, values, out);
-    let inverse = 1.0 / sum;
-    out.iter_mut().for_each(|o| *o *= inverse);
 }
 
 #[cfg(test)]

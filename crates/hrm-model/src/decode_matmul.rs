@@ -59,8 +59,9 @@ pub(crate) fn forward(w: &Tensor, x: &Tensor) -> Result<Tensor> {
 /// The most activation rows dotted against each weight row per pass ([`Kernel::row_tile`]).
 const ROW_TILE: usize = 8;
 /// How far ahead the vector kernels ask for weights (each cache line of the pass is asked for):
-/// as in the GGUF kernels (`quant_matmul.rs`), the hardware prefetcher of an Intel Xeon fell
-/// behind; here it took 0.94× the wall time of `hrm bench model` on `models/sample`.
+/// as in the GGUF kernels (`quant_matmul.rs`), the hardware prefetcher of an Intel Xeon (family
+/// 6 model 167, AVX-512) fell behind; there it took 0.94× the wall time of `hrm bench model` on
+/// `models/sample`.
 const PREFETCH_AHEAD: usize = 4096;
 
 /// `x · wᵀ` (`rows × out`, row-major) for `x: rows × k` and `w: out × k`, both row-major.
@@ -82,10 +83,19 @@ fn matmul_with(
         for (t, tile) in xs.chunks(row_tile).enumerate() {
             for (j, w_row) in w.chunks_exact(k).enumerate() {
                 let dots = &mut block[j * rows + t * row_tile..][..tile.len()];
-                kernel.dots(w_row, tile, dots);
+                kernel.dots(w_row, Read::Streamed, tile, dots);
             }
         }
     })
+}
+
+/// How [`Kernel::dots`] reads its `w`: a weight row streamed once per pass (the kernel asks for
+/// the weights [`PREFETCH_AHEAD`] on), or a vector that stays in cache (decode attention's
+/// query, past which there is nothing to ask for).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Read {
+    Streamed,
+    Cached,
 }
 
 /// The dot-product kernel of this CPU (also used by decode attention for its scores).
@@ -123,24 +133,38 @@ impl Kernel {
     }
 
     /// `out[i] = w · xs[i]` for up to [`Self::row_tile`] activation rows, each as long as `w`.
-    pub(crate) fn dots(self, w: &[f32], xs: &[&[f32]], out: &mut [f32]) {
+    pub(crate) fn dots(self, w: &[f32], read: Read, xs: &[&[f32]], out: &mut [f32]) {
         assert!(xs.len() <= self.row_tile() && out.len() == xs.len());
         assert!(xs.iter().all(|x| x.len() == w.len()));
+        match read {
+            Read::Streamed => self.dots_tile::<true>(w, xs, out),
+            Read::Cached => self.dots_tile::<false>(w, xs, out),
+        }
+    }
+
+    fn dots_tile<const STREAMED: bool>(self, w: &[f32], xs: &[&[f32]], out: &mut [f32]) {
         // A row count known at compile time keeps the accumulators in registers.
         match *xs {
-            [a] => self.dots_of(w, [a], out),
-            [a, b] => self.dots_of(w, [a, b], out),
-            [a, b, c] => self.dots_of(w, [a, b, c], out),
-            [a, b, c, d] => self.dots_of(w, [a, b, c, d], out),
-            [a, b, c, d, e] => self.dots_of(w, [a, b, c, d, e], out),
-            [a, b, c, d, e, f] => self.dots_of(w, [a, b, c, d, e, f], out),
-            [a, b, c, d, e, f, g] => self.dots_of(w, [a, b, c, d, e, f, g], out),
-            [a, b, c, d, e, f, g, h] => self.dots_of(w, [a, b, c, d, e, f, g, h], out),
+            [a] => self.dots_of::<_, STREAMED>(w, [a], out),
+            [a, b] => self.dots_of::<_, STREAMED>(w, [a, b], out),
+            [a, b, c] => self.dots_of::<_, STREAMED>(w, [a, b, c], out),
+            [a, b, c, d] => self.dots_of::<_, STREAMED>(w, [a, b, c, d], out),
+            [a, b, c, d, e] => self.dots_of::<_, STREAMED>(w, [a, b, c, d, e], out),
+            [a, b, c, d, e, f] => self.dots_of::<_, STREAMED>(w, [a, b, c, d, e, f], out),
+            [a, b, c, d, e, f, g] => self.dots_of::<_, STREAMED>(w, [a, b, c, d, e, f, g], out),
+            [a, b, c, d, e, f, g, h] => {
+                self.dots_of::<_, STREAMED>(w, [a, b, c, d, e, f, g, h], out)
+            }
             _ => unreachable!("row tile of {}", xs.len()),
         }
     }
 
-    fn dots_of<const R: usize>(self, w: &[f32], xs: [&[f32]; R], out: &mut [f32]) {
+    fn dots_of<const R: usize, const STREAMED: bool>(
+        self,
+        w: &[f32],
+        xs: [&[f32]; R],
+        out: &mut [f32],
+    ) {
         match self {
             Self::Scalar => {
                 for (out, x) in out.iter_mut().zip(xs) {
@@ -150,9 +174,9 @@ impl Kernel {
             // SAFETY (both): `detect` chose the kernel only after finding its features, and
             // `dots` checked that every row is as long as `w`.
             #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => unsafe { avx2::dots(w, xs, out) },
+            Self::Avx2 => unsafe { avx2::dots::<R, STREAMED>(w, xs, out) },
             #[cfg(target_arch = "x86_64")]
-            Self::Avx512 => unsafe { avx512::dots(w, xs, out) },
+            Self::Avx512 => unsafe { avx512::dots::<R, STREAMED>(w, xs, out) },
         }
     }
 
@@ -194,7 +218,11 @@ macro_rules! vector_kernel {
             /// # Safety
             /// The CPU has the module's features, and every row of `xs` is as long as `w`.
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn dots<const R: usize>(w: &[f32], xs: [&[f32]; R], out: &mut [f32]) {
+            pub(super) unsafe fn dots<const R: usize, const STREAMED: bool>(
+                w: &[f32],
+                xs: [&[f32]; R],
+                out: &mut [f32],
+            ) {
                 const STEP: usize = 2 * $lanes;
                 let k = w.len();
                 let pairs = k / STEP * STEP;
@@ -205,13 +233,15 @@ macro_rules! vector_kernel {
                 // length of `w` and of every row.
                 let mut c = 0;
                 while c < pairs {
-                    let ahead = w
-                        .as_ptr()
-                        .wrapping_add(c)
-                        .cast::<i8>()
-                        .wrapping_add(PREFETCH_AHEAD);
-                    for line in (0..STEP * 4).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+                    if STREAMED {
+                        let ahead = w
+                            .as_ptr()
+                            .wrapping_add(c)
+                            .cast::<i8>()
+                            .wrapping_add(PREFETCH_AHEAD);
+                        for line in (0..STEP * 4).step_by(64) {
+                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+                        }
                     }
                     unsafe {
                         let (w0, w1) =

@@ -374,20 +374,17 @@ fn stack_rows(parts: &[&QTensor], device: &Device) -> Result<Option<QTensor>> {
     let Some(first) = parts.first() else {
         return Ok(None);
     };
-    let width = |t: &QTensor| t.shape().dims2().map(|(_, k)| k).ok();
-    if parts
-        .iter()
-        .any(|t| t.dtype() != first.dtype() || width(t).is_none() || width(t) != width(first))
-    {
-        return Ok(None);
-    }
+    let (_, k) = first.shape().dims2()?;
     let mut bytes = Vec::new();
     let mut rows = 0;
     for part in parts {
+        let (part_rows, part_k) = part.shape().dims2()?;
+        if part.dtype() != first.dtype() || part_k != k {
+            return Ok(None);
+        }
         bytes.extend_from_slice(&part.data()?);
-        rows += part.shape().dims2()?.0;
+        rows += part_rows;
     }
-    let k = width(first).expect("checked above");
     ggml_file::qtensor_from_ggml(first.dtype(), &bytes, vec![rows, k], device).map(Some)
 }
 

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
-use common::{expected, fixture, max_abs_diff};
+use common::{expected, fixture, max_abs, max_abs_diff};
 use hrm_model::ModelSpec;
 use hrm_model::train::{
     AdamWConfig, LrSchedule, ScheduleKind, Trainer, lm_loss, sorted_vars, trainable_vars,
@@ -103,13 +103,7 @@ fn gradients_match_transformers() {
             let got = grads
                 .get(var.as_tensor())
                 .unwrap_or_else(|| panic!("{name}: no gradient for {param}"));
-            let scale = want
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let scale = max_abs(want);
             let diff = max_abs_diff(got, want);
             assert!(
                 diff <= 1e-4 * scale.max(1e-3),

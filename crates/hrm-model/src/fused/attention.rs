@@ -29,8 +29,8 @@ use rayon::prelude::*;
 
 use super::exp::sigmoid_in_place;
 use super::{
-    Strided, cpu_storage, error, gemm_into, gemm_update, rotate, softmax_grad_row, softmax_row,
-    values,
+    Strided, cpu_storage, error, gemm_into, gemm_update, rotate, softmax_grad_row,
+    softmax_in_place, values,
 };
 use crate::layers::RopeLayout;
 
@@ -184,15 +184,13 @@ impl CustomOp3 for AttentionOp {
                     let qm = Strided::matrix(q, 0, 0, (s, d), (d, 1))?;
                     let kt = Strided::matrix(&saved.k, 0, 0, (s, d), (d, 1))?.t();
                     gemm_into(p, &qm, &kt, (s, d, s), scale, gemm::Parallelism::None);
-                    let mut scores = vec![0.0; s];
                     for (t, p) in p.chunks_exact_mut(s).enumerate() {
-                        scores.copy_from_slice(p);
                         if let Some(mask) = self.mask_of(i, s) {
-                            for (x, m) in scores.iter_mut().zip(&mask[t * s..(t + 1) * s]) {
+                            for (x, m) in p.iter_mut().zip(&mask[t * s..(t + 1) * s]) {
                                 *x += m;
                             }
                         }
-                        softmax_row(p, &scores);
+                        softmax_in_place(p);
                     }
                     let pm = Strided::matrix(p, 0, 0, (s, s), (s, 1))?;
                     let o = &mut out[j * s * d..(j + 1) * s * d];

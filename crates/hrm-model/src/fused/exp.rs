@@ -45,7 +45,7 @@ fn exp_scalar(x: f32) -> f32 {
 }
 
 /// `x ← exp(x)` for every value of `xs`.
-pub(crate) fn exp_in_place(xs: &mut [f32]) {
+pub(super) fn exp_in_place(xs: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has the features just checked.

@@ -45,7 +45,6 @@ mod exp;
 mod linear;
 mod routing;
 pub use attention::AttentionOp;
-pub(crate) use exp::exp_in_place;
 pub use linear::linear;
 pub use routing::{Routing, combine_rows, gather_rows};
 
@@ -346,14 +345,21 @@ impl CustomOp1 for SigmoidOp {
 
 /// `y = softmax(x)` of one row.
 fn softmax_row(y: &mut [f32], x: &[f32]) {
+    y.copy_from_slice(x);
+    softmax_in_place(y);
+}
+
+/// `x ← softmax(x)` of one row: every softmax of the CPU paths (training, prefill, decode
+/// attention) computes this way.
+pub(crate) fn softmax_in_place(x: &mut [f32]) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    for (y, &x) in y.iter_mut().zip(x) {
-        *y = x - max;
+    for x in x.iter_mut() {
+        *x -= max;
     }
-    exp::exp_in_place(y);
-    let total: f32 = y.iter().sum();
-    for y in y.iter_mut() {
-        *y /= total;
+    exp::exp_in_place(x);
+    let total: f32 = x.iter().sum();
+    for x in x.iter_mut() {
+        *x /= total;
     }
 }
 

@@ -59,3 +59,13 @@ pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
         .to_scalar::<f32>()
         .unwrap()
 }
+
+/// Largest absolute element: the scale a gradient's tolerance is relative to.
+pub fn max_abs(t: &Tensor) -> f32 {
+    t.abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap()
+}
