@@ -15,8 +15,9 @@ use crate::cache::{ForwardBatch, softmax_last_dim};
 use crate::moe::MoeMlp;
 
 /// A bias-free linear projection, dense or GGUF-quantised. Q4_1 and Q8_0 projections on the CPU
-/// use the kernel in `quant_matmul.rs` for every pass, dense f32 ones on the CPU the kernel in
-/// `decode_matmul.rs` for decode steps; everything else uses candle's.
+/// use the kernel in `quant_matmul.rs` for every pass; dense f32 ones on the CPU the kernel in
+/// `decode_matmul.rs` for decode steps and [`crate::fused::linear`] (gemm, cut over the thread
+/// team) for every other pass; everything else uses candle's.
 #[derive(Clone, Debug)]
 pub enum Linear {
     Dense(candle_nn::Linear),
@@ -59,11 +60,10 @@ fn dequantize_for(x: &Tensor) -> Result<bool> {
 impl Module for Linear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         match self {
-            Self::Dense(l) if l.weight().track_op() => crate::fused::linear(x, l.weight()),
             Self::Dense(l) if crate::decode_matmul::applies(l.weight(), x) => {
                 crate::decode_matmul::forward(l.weight(), x)
             }
-            Self::Dense(l) => l.forward(x),
+            Self::Dense(l) => crate::fused::linear(x, l.weight()),
             Self::Quantized(QMatMul::QTensor(q)) if crate::quant_matmul::applies(q, x) => {
                 crate::quant_matmul::forward(q, x)
             }

@@ -1,15 +1,18 @@
 //! Work split over candle's persistent thread team (`candle_core::utils::barrier_pool`), for
-//! the CPU kernels of a decode step.
+//! our CPU kernels: decode steps, the fused training ops, and the blocks of a large product.
 //!
 //! candle's own CPU kernels hand their work to this team, whose workers spin briefly between
-//! calls and then park. Our decode kernels use the same team rather than rayon's pool, so that
-//! no second pool competes with it for the cores between one op and the next.
+//! calls and then park. Our kernels use the same team rather than a second pool (rayon's, or
+//! gemm's parallel mode, which is rayon's), so that no two pools compete for the cores between
+//! one op and the next.
 //!
-//! Workers finish their parts in any order; they write disjoint elements of one output through
-//! relaxed atomics, which costs a plain store on x86 and needs no `unsafe`.
+//! Workers finish their parts in any order. They write disjoint elements of one output through
+//! relaxed atomics (a plain store on x86), disjoint chunks each behind its own uncontended lock,
+//! or set-once slots; none of it needs `unsafe`.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Mutex, OnceLock, PoisonError};
 
 /// A `rows × n` row-major output whose columns are computed in parallel: `fill(columns, block)`
 /// fills `block[(j - columns.start) * rows + i]` with element `(i, j)` for every `j` in
@@ -50,6 +53,40 @@ pub(crate) fn items_in_parallel(
         }
     });
     into_values(dst)
+}
+
+/// `fill(i, chunk)` over the `len`-value chunks of `out` (the last may be shorter), in
+/// parallel. Each chunk sits behind its own lock, which only its one filler takes.
+pub(crate) fn chunks_in_parallel(
+    out: &mut [f32],
+    len: usize,
+    fill: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(len.max(1)).map(Mutex::new).collect();
+    candle_core::utils::barrier_pool().execute_chunked(chunks.len(), |range| {
+        for i in range {
+            let mut chunk = chunks[i].lock().unwrap_or_else(PoisonError::into_inner);
+            fill(i, &mut chunk);
+        }
+    });
+}
+
+/// `make(i)` for every `i` in `0..n`, in parallel, in order.
+pub(crate) fn map_in_parallel<T: Send + Sync>(
+    n: usize,
+    make: impl Fn(usize) -> T + Sync,
+) -> Vec<T> {
+    let slots: Vec<OnceLock<T>> = (0..n).map(|_| OnceLock::new()).collect();
+    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+        for i in range {
+            // Each index is in exactly one range, so its slot is empty here.
+            let _ = slots[i].set(make(i));
+        }
+    });
+    slots
+        .into_iter()
+        .map(|slot| slot.into_inner().expect("every index was made"))
+        .collect()
 }
 
 fn zeroed(len: usize) -> Vec<AtomicU32> {

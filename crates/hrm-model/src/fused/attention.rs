@@ -24,12 +24,12 @@
 
 use std::sync::Mutex;
 
+use crate::team::map_in_parallel;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
-use rayon::prelude::*;
 
 use super::exp::sigmoid_in_place;
 use super::{
-    Strided, cpu_storage, error, gemm_into, gemm_update, rotate, softmax_grad_row,
+    Split, Strided, cpu_storage, error, gemm_into, gemm_update, rotate, softmax_grad_row,
     softmax_in_place, values,
 };
 use crate::layers::RopeLayout;
@@ -147,69 +147,68 @@ impl CustomOp3 for AttentionOp {
         let scale = 1.0 / (d as f32).sqrt();
         let group = self.group();
 
-        let units: Vec<(Unit, Vec<f32>)> = (0..b * kvh)
-            .into_par_iter()
-            .map(|unit| -> candle_core::Result<(Unit, Vec<f32>)> {
-                let (i, g) = (unit / kvh, unit % kvh);
-                let row = |t: usize| &proj[(i * s + t) * width..(i * s + t + 1) * width];
-                let angles = |t: usize| {
-                    let at = (i * s + t) * half;
-                    (&cos[at..at + half], &sin[at..at + half])
-                };
-                let mut saved = Unit {
-                    k: vec![0.0; s * d],
-                    q: vec![0.0; group * s * d],
-                    p: vec![0.0; group * s * s],
-                    o: if self.gated {
-                        vec![0.0; group * s * d]
-                    } else {
-                        Vec::new()
-                    },
-                };
-                for (t, k) in saved.k.chunks_exact_mut(d).enumerate() {
+        let units = map_in_parallel(b * kvh, |unit| -> candle_core::Result<(Unit, Vec<f32>)> {
+            let (i, g) = (unit / kvh, unit % kvh);
+            let row = |t: usize| &proj[(i * s + t) * width..(i * s + t + 1) * width];
+            let angles = |t: usize| {
+                let at = (i * s + t) * half;
+                (&cos[at..at + half], &sin[at..at + half])
+            };
+            let mut saved = Unit {
+                k: vec![0.0; s * d],
+                q: vec![0.0; group * s * d],
+                p: vec![0.0; group * s * s],
+                o: if self.gated {
+                    vec![0.0; group * s * d]
+                } else {
+                    Vec::new()
+                },
+            };
+            for (t, k) in saved.k.chunks_exact_mut(d).enumerate() {
+                let (c, sn) = angles(t);
+                rotate(self.layout, &row(t)[k_at + g * d..][..d], c, sn, k);
+            }
+            let v = Strided::matrix(proj, i * s * width + v_at + g * d, 1, (s, d), (width, 1))?;
+            // The group's outputs, `group × seq × d`, gated.
+            let mut out = vec![0.0; group * s * d];
+            for j in 0..group {
+                let head = g * group + j;
+                let q = &mut saved.q[j * s * d..(j + 1) * s * d];
+                for (t, q) in q.chunks_exact_mut(d).enumerate() {
                     let (c, sn) = angles(t);
-                    rotate(self.layout, &row(t)[k_at + g * d..][..d], c, sn, k);
+                    rotate(self.layout, &row(t)[q_at + head * d..][..d], c, sn, q);
                 }
-                let v = Strided::matrix(proj, i * s * width + v_at + g * d, 1, (s, d), (width, 1))?;
-                // The group's outputs, `group × seq × d`, gated.
-                let mut out = vec![0.0; group * s * d];
-                for j in 0..group {
-                    let head = g * group + j;
-                    let q = &mut saved.q[j * s * d..(j + 1) * s * d];
-                    for (t, q) in q.chunks_exact_mut(d).enumerate() {
-                        let (c, sn) = angles(t);
-                        rotate(self.layout, &row(t)[q_at + head * d..][..d], c, sn, q);
-                    }
-                    let p = &mut saved.p[j * s * s..(j + 1) * s * s];
-                    let qm = Strided::matrix(q, 0, 0, (s, d), (d, 1))?;
-                    let kt = Strided::matrix(&saved.k, 0, 0, (s, d), (d, 1))?.t();
-                    gemm_into(p, &qm, &kt, (s, d, s), scale, gemm::Parallelism::None);
-                    for (t, p) in p.chunks_exact_mut(s).enumerate() {
-                        if let Some(mask) = self.mask_of(i, s) {
-                            for (x, m) in p.iter_mut().zip(&mask[t * s..(t + 1) * s]) {
-                                *x += m;
-                            }
+                let p = &mut saved.p[j * s * s..(j + 1) * s * s];
+                let qm = Strided::matrix(q, 0, 0, (s, d), (d, 1))?;
+                let kt = Strided::matrix(&saved.k, 0, 0, (s, d), (d, 1))?.t();
+                gemm_into(p, &qm, &kt, (s, d, s), scale, Split::Serial);
+                for (t, p) in p.chunks_exact_mut(s).enumerate() {
+                    if let Some(mask) = self.mask_of(i, s) {
+                        for (x, m) in p.iter_mut().zip(&mask[t * s..(t + 1) * s]) {
+                            *x += m;
                         }
-                        softmax_in_place(p);
                     }
-                    let pm = Strided::matrix(p, 0, 0, (s, s), (s, 1))?;
-                    let o = &mut out[j * s * d..(j + 1) * s * d];
-                    gemm_into(o, &pm, &v, (s, s, d), 1.0, gemm::Parallelism::None);
-                    if self.gated {
-                        saved.o[j * s * d..(j + 1) * s * d].copy_from_slice(o);
-                        let mut gate = vec![0.0; d];
-                        for (t, o) in o.chunks_exact_mut(d).enumerate() {
-                            gate.copy_from_slice(&row(t)[gate_at + head * d..][..d]);
-                            sigmoid_in_place(&mut gate);
-                            for (o, &sg) in o.iter_mut().zip(&gate) {
-                                *o *= sg;
-                            }
+                    softmax_in_place(p);
+                }
+                let pm = Strided::matrix(p, 0, 0, (s, s), (s, 1))?;
+                let o = &mut out[j * s * d..(j + 1) * s * d];
+                gemm_into(o, &pm, &v, (s, s, d), 1.0, Split::Serial);
+                if self.gated {
+                    saved.o[j * s * d..(j + 1) * s * d].copy_from_slice(o);
+                    let mut gate = vec![0.0; d];
+                    for (t, o) in o.chunks_exact_mut(d).enumerate() {
+                        gate.copy_from_slice(&row(t)[gate_at + head * d..][..d]);
+                        sigmoid_in_place(&mut gate);
+                        for (o, &sg) in o.iter_mut().zip(&gate) {
+                            *o *= sg;
                         }
                     }
                 }
-                Ok((saved, out))
-            })
-            .collect::<candle_core::Result<_>>()?;
+            }
+            Ok((saved, out))
+        })
+        .into_iter()
+        .collect::<candle_core::Result<Vec<_>>>()?;
 
         let mut out = vec![0.0f32; b * s * h * d];
         for (unit, (_, values)) in units.iter().enumerate() {
@@ -262,131 +261,103 @@ impl CustomOp3 for AttentionOp {
         // Per unit: the gradients of its gate and q columns (`group × seq × d` each), and of
         // its k and v head (`seq × d` each).
         type Grads = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
-        let units: Vec<Grads> = saved
-            .par_iter()
-            .enumerate()
-            .map(|(unit, saved)| -> candle_core::Result<Grads> {
-                let (i, g) = (unit / kvh, unit % kvh);
-                let row = |t: usize| &proj_values[(i * s + t) * width..(i * s + t + 1) * width];
-                let back = |t: usize, x: &[f32], out: &mut [f32]| {
-                    let at = (i * s + t) * half;
-                    rotate(
-                        self.layout,
-                        x,
-                        &cos_values[at..at + half],
-                        &sin_values[at..at + half],
-                        out,
-                    );
-                };
-                let v = Strided::matrix(
-                    proj_values,
-                    i * s * width + v_at + g * d,
-                    1,
-                    (s, d),
-                    (width, 1),
-                )?;
-                let k = Strided::matrix(&saved.k, 0, 0, (s, d), (d, 1))?;
-                let mut d_gate = if self.gated {
-                    vec![0.0; group * s * d]
-                } else {
-                    Vec::new()
-                };
-                let mut d_q = vec![0.0; group * s * d];
-                let mut d_k_rot = vec![0.0; s * d];
-                let mut d_v = vec![0.0; s * d];
-                let mut d_o = vec![0.0; s * d];
-                let mut d_p = vec![0.0; s * s];
-                let mut d_q_rot = vec![0.0; s * d];
-                let mut sigmoids = vec![0.0; d];
-                for j in 0..group {
-                    let head = g * group + j;
-                    for (t, d_o) in d_o.chunks_exact_mut(d).enumerate() {
-                        let g_out = &grad_values[(i * s + t) * h * d + head * d..][..d];
-                        if self.gated {
-                            sigmoids.copy_from_slice(&row(t)[gate_at + head * d..][..d]);
-                            sigmoid_in_place(&mut sigmoids);
-                            let o = &saved.o[(j * s + t) * d..][..d];
-                            let d_gate = &mut d_gate[(j * s + t) * d..][..d];
-                            for e in 0..d {
-                                let sg = sigmoids[e];
-                                d_o[e] = g_out[e] * sg;
-                                d_gate[e] = g_out[e] * o[e] * sg * (1.0 - sg);
-                            }
-                        } else {
-                            d_o.copy_from_slice(g_out);
+        let units = map_in_parallel(saved.len(), |unit| -> candle_core::Result<Grads> {
+            let saved = &saved[unit];
+            let (i, g) = (unit / kvh, unit % kvh);
+            let row = |t: usize| &proj_values[(i * s + t) * width..(i * s + t + 1) * width];
+            let back = |t: usize, x: &[f32], out: &mut [f32]| {
+                let at = (i * s + t) * half;
+                rotate(
+                    self.layout,
+                    x,
+                    &cos_values[at..at + half],
+                    &sin_values[at..at + half],
+                    out,
+                );
+            };
+            let v = Strided::matrix(
+                proj_values,
+                i * s * width + v_at + g * d,
+                1,
+                (s, d),
+                (width, 1),
+            )?;
+            let k = Strided::matrix(&saved.k, 0, 0, (s, d), (d, 1))?;
+            let mut d_gate = if self.gated {
+                vec![0.0; group * s * d]
+            } else {
+                Vec::new()
+            };
+            let mut d_q = vec![0.0; group * s * d];
+            let mut d_k_rot = vec![0.0; s * d];
+            let mut d_v = vec![0.0; s * d];
+            let mut d_o = vec![0.0; s * d];
+            let mut d_p = vec![0.0; s * s];
+            let mut d_q_rot = vec![0.0; s * d];
+            let mut sigmoids = vec![0.0; d];
+            for j in 0..group {
+                let head = g * group + j;
+                for (t, d_o) in d_o.chunks_exact_mut(d).enumerate() {
+                    let g_out = &grad_values[(i * s + t) * h * d + head * d..][..d];
+                    if self.gated {
+                        sigmoids.copy_from_slice(&row(t)[gate_at + head * d..][..d]);
+                        sigmoid_in_place(&mut sigmoids);
+                        let o = &saved.o[(j * s + t) * d..][..d];
+                        let d_gate = &mut d_gate[(j * s + t) * d..][..d];
+                        for e in 0..d {
+                            let sg = sigmoids[e];
+                            d_o[e] = g_out[e] * sg;
+                            d_gate[e] = g_out[e] * o[e] * sg * (1.0 - sg);
                         }
-                    }
-                    let p = &saved.p[j * s * s..(j + 1) * s * s];
-                    let pt = Strided::matrix(p, 0, 0, (s, s), (s, 1))?.t();
-                    let dom = Strided::matrix(&d_o, 0, 0, (s, d), (d, 1))?;
-                    gemm_update(
-                        &mut d_v,
-                        &pt,
-                        &dom,
-                        (s, s, d),
-                        1.0,
-                        j > 0,
-                        gemm::Parallelism::None,
-                    );
-                    gemm_into(
-                        &mut d_p,
-                        &dom,
-                        &v.t(),
-                        (s, d, s),
-                        1.0,
-                        gemm::Parallelism::None,
-                    );
-                    let mut d_s = vec![0.0; s];
-                    for (t, d_p) in d_p.chunks_exact_mut(s).enumerate() {
-                        softmax_grad_row(&mut d_s, &p[t * s..(t + 1) * s], d_p);
-                        for (x, ds) in d_p.iter_mut().zip(&d_s) {
-                            *x = ds * scale;
-                        }
-                    }
-                    let dsm = Strided::matrix(&d_p, 0, 0, (s, s), (s, 1))?;
-                    gemm_into(
-                        &mut d_q_rot,
-                        &dsm,
-                        &k,
-                        (s, s, d),
-                        1.0,
-                        gemm::Parallelism::None,
-                    );
-                    let q = Strided::matrix(
-                        &saved.q[j * s * d..(j + 1) * s * d],
-                        0,
-                        0,
-                        (s, d),
-                        (d, 1),
-                    )?;
-                    gemm_update(
-                        &mut d_k_rot,
-                        &dsm.t(),
-                        &q,
-                        (s, s, d),
-                        1.0,
-                        j > 0,
-                        gemm::Parallelism::None,
-                    );
-                    for t in 0..s {
-                        back(
-                            t,
-                            &d_q_rot[t * d..(t + 1) * d],
-                            &mut d_q[(j * s + t) * d..][..d],
-                        );
+                    } else {
+                        d_o.copy_from_slice(g_out);
                     }
                 }
-                let mut d_k = vec![0.0; s * d];
+                let p = &saved.p[j * s * s..(j + 1) * s * s];
+                let pt = Strided::matrix(p, 0, 0, (s, s), (s, 1))?.t();
+                let dom = Strided::matrix(&d_o, 0, 0, (s, d), (d, 1))?;
+                gemm_update(&mut d_v, &pt, &dom, (s, s, d), 1.0, j > 0, Split::Serial);
+                gemm_into(&mut d_p, &dom, &v.t(), (s, d, s), 1.0, Split::Serial);
+                let mut d_s = vec![0.0; s];
+                for (t, d_p) in d_p.chunks_exact_mut(s).enumerate() {
+                    softmax_grad_row(&mut d_s, &p[t * s..(t + 1) * s], d_p);
+                    for (x, ds) in d_p.iter_mut().zip(&d_s) {
+                        *x = ds * scale;
+                    }
+                }
+                let dsm = Strided::matrix(&d_p, 0, 0, (s, s), (s, 1))?;
+                gemm_into(&mut d_q_rot, &dsm, &k, (s, s, d), 1.0, Split::Serial);
+                let q =
+                    Strided::matrix(&saved.q[j * s * d..(j + 1) * s * d], 0, 0, (s, d), (d, 1))?;
+                gemm_update(
+                    &mut d_k_rot,
+                    &dsm.t(),
+                    &q,
+                    (s, s, d),
+                    1.0,
+                    j > 0,
+                    Split::Serial,
+                );
                 for t in 0..s {
                     back(
                         t,
-                        &d_k_rot[t * d..(t + 1) * d],
-                        &mut d_k[t * d..(t + 1) * d],
+                        &d_q_rot[t * d..(t + 1) * d],
+                        &mut d_q[(j * s + t) * d..][..d],
                     );
                 }
-                Ok((d_gate, d_q, d_k, d_v))
-            })
-            .collect::<candle_core::Result<_>>()?;
+            }
+            let mut d_k = vec![0.0; s * d];
+            for t in 0..s {
+                back(
+                    t,
+                    &d_k_rot[t * d..(t + 1) * d],
+                    &mut d_k[t * d..(t + 1) * d],
+                );
+            }
+            Ok((d_gate, d_q, d_k, d_v))
+        })
+        .into_iter()
+        .collect::<candle_core::Result<Vec<_>>>()?;
 
         let mut d_proj = vec![0.0f32; b * s * width];
         for (unit, (d_gate, d_q, d_k, d_v)) in units.iter().enumerate() {

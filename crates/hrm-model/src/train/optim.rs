@@ -3,7 +3,6 @@
 use std::collections::HashMap;
 
 use candle_core::{CpuStorage, DType, Device, InplaceOp2, InplaceOp3, Layout, Tensor, Var};
-use rayon::prelude::*;
 
 use crate::fused::{values, values_mut};
 use serde::{Deserialize, Serialize};
@@ -209,7 +208,7 @@ impl AdamW {
 /// One parameter's AdamW update, with the step's constants.
 ///
 /// On the CPU in f32 it runs fused ([`fusable`]): one pass updates each moment in place and one
-/// pass updates the parameter in place, with no temporary tensors, in chunks over rayon's pool. Elsewhere it runs as candle
+/// pass updates the parameter in place, with no temporary tensors, in chunks over candle's thread team. Elsewhere it runs as candle
 /// tensor ops ([`ParamStep::composed`]). The two are the same f32 arithmetic in the same order
 /// (candle's `tensor * x` is `t * x + 0`, `tensor / x` is `t * (1 / x) + 0`), so they agree bit
 /// for bit; a test holds them to that.
@@ -251,11 +250,11 @@ fn fusable(tensors: [&Tensor; 4]) -> bool {
 /// Values per parallel task: 256 KiB of each operand, enough to outweigh the hand-off.
 const CHUNK: usize = 1 << 16;
 
-/// `work` over matching chunks of `dst` and `src`, spread over rayon's pool.
+/// `work` over matching chunks of `dst` and `src`, spread over candle's thread team.
 fn par_zip(dst: &mut [f32], src: &[f32], work: impl Fn(&mut [f32], &[f32]) + Sync) {
-    dst.par_chunks_mut(CHUNK)
-        .zip(src.par_chunks(CHUNK))
-        .for_each(|(dst, src)| work(dst, src));
+    crate::team::chunks_in_parallel(dst, CHUNK, |i, dst| {
+        work(dst, &src[i * CHUNK..][..dst.len()]);
+    });
 }
 
 /// A moment's running mean, in place: `m <- m * beta + g * (1 - beta)` for the first,
@@ -310,19 +309,17 @@ impl InplaceOp3 for ParamStep {
         let decay = self.decay.map(|d| d as f32);
         let (m, v) = (values(m, m_layout)?, values(v, v_layout)?);
         let theta = values_mut(theta, theta_layout)?;
-        theta
-            .par_chunks_mut(CHUNK)
-            .zip(m.par_chunks(CHUNK).zip(v.par_chunks(CHUNK)))
-            .for_each(|(theta, (m, v))| {
-                for ((theta, &m), &v) in theta.iter_mut().zip(m).zip(v) {
-                    let update = (m * unbias1 + 0.0) / ((v * unbias2 + 0.0).sqrt() * 1.0 + eps);
-                    let decayed = match decay {
-                        Some(decay) => *theta * decay + 0.0,
-                        None => *theta,
-                    };
-                    *theta = decayed - (update * lr + 0.0);
-                }
-            });
+        crate::team::chunks_in_parallel(theta, CHUNK, |i, theta| {
+            let (m, v) = (&m[i * CHUNK..], &v[i * CHUNK..]);
+            for ((theta, &m), &v) in theta.iter_mut().zip(m).zip(v) {
+                let update = (m * unbias1 + 0.0) / ((v * unbias2 + 0.0).sqrt() * 1.0 + eps);
+                let decayed = match decay {
+                    Some(decay) => *theta * decay + 0.0,
+                    None => *theta,
+                };
+                *theta = decayed - (update * lr + 0.0);
+            }
+        });
         Ok(())
     }
 }
