@@ -104,7 +104,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_column_and_item_lands_in_its_place() {
+    fn every_column_item_chunk_and_slot_lands_in_its_place() {
         let (rows, n) = (3, 1000);
         let out = columns_in_parallel(rows, n, |columns, block| {
             for (c, j) in columns.enumerate() {
@@ -121,5 +121,14 @@ mod tests {
         });
         assert!(out.iter().enumerate().all(|(e, v)| *v == e as f32));
         assert!(items_in_parallel(0, 7, |_, _| unreachable!()).is_empty());
+        let mut out = vec![0f32; 1003];
+        chunks_in_parallel(&mut out, 10, |chunk, values| {
+            for (k, v) in values.iter_mut().enumerate() {
+                *v = (chunk * 10 + k) as f32;
+            }
+        });
+        assert!(out.iter().enumerate().all(|(e, v)| *v == e as f32));
+        let made = map_in_parallel(1000, |i| i * 3);
+        assert!(made.iter().enumerate().all(|(i, v)| *v == i * 3));
     }
 }

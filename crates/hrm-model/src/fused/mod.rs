@@ -185,11 +185,22 @@ const PARALLEL_MIN_VALUES: usize = 1 << 14;
 /// A new `[rows, width]` buffer filled row by row by `fill(row_index, out_row)`, in parallel
 /// unless it is small.
 fn fill_rows(count: usize, width: usize, fill: impl Fn(usize, &mut [f32]) + Sync) -> Vec<f32> {
+    fill_rows_reading(count, width, width, fill)
+}
+
+/// [`fill_rows`] for rows that each read `read` values, which decide whether the work is
+/// worth the hand-off (the cross-entropy writes one value per row of the vocabulary).
+fn fill_rows_reading(
+    count: usize,
+    width: usize,
+    read: usize,
+    fill: impl Fn(usize, &mut [f32]) + Sync,
+) -> Vec<f32> {
     let mut out = vec![0.0f32; count * width];
     if width == 0 {
         return out;
     }
-    if out.len() < PARALLEL_MIN_VALUES {
+    if count * read.max(width) < PARALLEL_MIN_VALUES {
         out.chunks_mut(width)
             .enumerate()
             .for_each(|(i, out)| fill(i, out));
@@ -803,8 +814,7 @@ enum Split {
     Team,
 }
 
-/// `out = scale · a · b` for `a: m × k`, `b: k × n` into a row-major `out` of `m × n`, which
-/// comes zeroed (so an empty inner dimension leaves it as it is).
+/// `out = scale · a · b` for `a: m × k`, `b: k × n` into a row-major `out` of `m × n`.
 fn gemm_into(
     out: &mut [f32],
     a: &Strided,
@@ -818,13 +828,6 @@ fn gemm_into(
 
 /// `out = scale · a · b`, or with `accumulate`, `out += scale · a · b`, for `a: m × k`,
 /// `b: k × n` and a row-major `out` of `m × n`.
-///
-/// [`Split::Team`] cuts the larger of the output's two sides into one block per thread of
-/// candle's team, rounded to 16 rows or columns. gemm's own parallel mode (rayon) measured
-/// slower on every shape we run: on an Intel Xeon (family 6 model 207, 2 threads) 101 against
-/// 142 GFLOP/s for a 128-token prefill's `128 × 256 × 1024`, 192 against 221 for training's
-/// `1016 × 256 × 1024`. Each output value's sum runs over `k` in the same order however the
-/// output is cut, so the split changes no bits.
 fn gemm_update(
     out: &mut [f32],
     a: &Strided,
@@ -835,20 +838,65 @@ fn gemm_update(
     split: Split,
 ) {
     assert!(out.len() >= m * n, "gemm: output too short");
-    if m * n * k == 0 {
+    // SAFETY: `out` holds the m × n values, and the borrow keeps everything else off them.
+    unsafe { gemm_at(out.as_mut_ptr(), a, b, (m, k, n), scale, accumulate, split) };
+}
+
+/// A new row-major `m × n` buffer holding `scale · a · b`. gemm writes it without its being
+/// zeroed first: zeroing the outputs of training's products was 1–2% of a step, all of it on
+/// the calling thread.
+fn gemm_new(
+    a: &Strided,
+    b: &Strided,
+    (m, k, n): (usize, usize, usize),
+    scale: f32,
+    split: Split,
+) -> Vec<f32> {
+    let mut out = Vec::with_capacity(m * n);
+    // SAFETY: `out` has room for the m × n values; gemm without `accumulate` writes every one of
+    // them (zeros when `k` is 0) and reads none it has not written, so all are initialised.
+    unsafe {
+        gemm_at(out.as_mut_ptr(), a, b, (m, k, n), scale, false, split);
+        out.set_len(m * n);
+    }
+    out
+}
+
+/// [`gemm_update`] into `m × n` values at `dst`, rows `n` apart.
+///
+/// [`Split::Team`] cuts the larger of the output's two sides into one block per thread of
+/// candle's team, rounded to 16 rows or columns. gemm's own parallel mode (rayon) measured
+/// slower on every shape we run: on an Intel Xeon (family 6 model 207, 2 threads) 101 against
+/// 142 GFLOP/s for a 128-token prefill's `128 × 256 × 1024`, 192 against 221 for training's
+/// `1016 × 256 × 1024`. Each output value's sum runs over `k` in the same order however the
+/// output is cut, so the split changes no bits.
+///
+/// # Safety
+/// `dst` must be valid for writes of `m × n` values, which nothing else reads or writes
+/// meanwhile; with `accumulate`, they must be initialised.
+unsafe fn gemm_at(
+    dst: *mut f32,
+    a: &Strided,
+    b: &Strided,
+    (m, k, n): (usize, usize, usize),
+    scale: f32,
+    accumulate: bool,
+    split: Split,
+) {
+    if m * n == 0 {
         return;
     }
     let team = candle_core::utils::barrier_pool();
     let parts = team.n_workers() + 1;
-    if split == Split::Serial || parts == 1 {
-        // SAFETY: `out` holds the m × n values written.
-        unsafe { gemm_block(out.as_mut_ptr(), n, a, b, (m, k, n), scale, accumulate) };
+    if split == Split::Serial || parts == 1 || k == 0 {
+        // SAFETY: the caller vouches for `dst`.
+        unsafe { gemm_block(dst, n, a, b, (m, k, n), scale, accumulate) };
         return;
     }
     let by_rows = m > n;
     let side = if by_rows { m } else { n };
     let block = side.div_ceil(parts).next_multiple_of(16);
-    let dst = SharedOut(out.as_mut_ptr());
+    let dst = SharedOut(dst);
     team.execute_chunked(side.div_ceil(block), |blocks| {
         for start in blocks.map(|i| i * block) {
             let len = block.min(side - start);
@@ -992,21 +1040,27 @@ impl CustomOp2 for GroupedMatMul {
                 let &[w_step, w_rs, w_cs] = other_layout.stride() else {
                     return Err(error("grouped matmul: a 3-d weight"));
                 };
-                let mut out = vec![0.0f32; rows * n];
-                let mut rest = out.as_mut_slice();
-                for (e, &m) in self.sizes.iter().enumerate() {
-                    let (block, tail) = rest.split_at_mut(m * n);
-                    rest = tail;
-                    let b = Strided::matrix(w, e, w_step, (k, n), (w_rs, w_cs))?;
-                    gemm_into(
-                        block,
-                        &group_rows(start, m)?,
-                        &b,
-                        (m, k, n),
-                        1.0,
-                        pool_for(m * k * n),
-                    );
-                    start += m;
+                let operands = self
+                    .sizes
+                    .iter()
+                    .enumerate()
+                    .map(|(e, &m)| {
+                        let a = group_rows(start, m)?;
+                        start += m;
+                        Ok((a, Strided::matrix(w, e, w_step, (k, n), (w_rs, w_cs))?, m))
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                let mut out = Vec::with_capacity(rows * n);
+                let mut at = out.as_mut_ptr();
+                // SAFETY: the groups' rows add up to `rows` (`check_group_sizes`), so the groups'
+                // blocks of `m × n` values tile `out`'s `rows × n` one after another; gemm
+                // without accumulation writes each block in full before reading it.
+                unsafe {
+                    for (a, b, m) in operands {
+                        gemm_at(at, &a, &b, (m, k, n), 1.0, false, pool_for(m * k * n));
+                        at = at.add(m * n);
+                    }
+                    out.set_len(rows * n);
                 }
                 Ok((CpuStorage::F32(out), Shape::from((rows, n))))
             }
@@ -1104,7 +1158,7 @@ impl CustomOp1 for CrossEntropyOp {
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = Rows::new(storage, layout)?;
-        let losses = fill_rows(x.count, 1, |i, out| {
+        let losses = fill_rows_reading(x.count, 1, x.width, |i, out| {
             let row = x.row(i);
             let (max, log_total) = log_sum_exp_parts(row);
             // log_softmax(x)[label] = (x[label] - max) - log_total, as candle's composed form.
