@@ -104,6 +104,17 @@ impl RmsNorm {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
+        if let Some(w) = &self.weight
+            && (x.track_op() || w.track_op())
+            && x.device().is_cpu()
+            && dtype == DType::F32
+            && w.dtype() == DType::F32
+        {
+            let op = crate::fused::ScaledRmsNormOp {
+                eps: self.eps as f32,
+            };
+            return x.contiguous()?.apply_op2(&w.contiguous()?, op);
+        }
         let xf = x.to_dtype(DType::F32)?;
         let normed = if xf.track_op() || self.weight.as_ref().is_some_and(|w| w.track_op()) {
             if xf.device().is_cpu() {

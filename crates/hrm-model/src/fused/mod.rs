@@ -4,6 +4,8 @@
 //!
 //! - [`RmsNormOp`]: `x / sqrt(mean(x²) + eps)` over the last dimension, one pass forward and
 //!   one pass backward (`dx = r (g - y · mean(g y))`, `r = 1 / sqrt(mean(x²) + eps)`).
+//! - [`ScaledRmsNormOp`]: the same with a learned scale (Llama's), whose gradient is summed over
+//!   the rows in fixed blocks of rows, added in order.
 //! - [`SoftmaxOp`]: softmax over the last dimension (attention's), one pass forward and one pass
 //!   backward from the output (`dx = y (g - sum(g y))`).
 //! - [`SwiGluOp`]: `silu(gate) · up` over rows of `[gate | up]`, one pass forward, one pass
@@ -299,6 +301,112 @@ impl CustomOp2 for RmsNormGrad {
                 *dx = r * (g - x * r * mean_gy);
             }
         })
+    }
+}
+
+/// RMSNorm with a learned scale (Llama's): `(x / sqrt(mean(x²) + eps)) · w` over the last
+/// dimension, one pass forward and one pass backward. Composed as [`RmsNormOp`] and a broadcast
+/// product, the scale cost a product forward, two backward, and a sum over every row for its
+/// gradient, which candle runs on one thread.
+pub struct ScaledRmsNormOp {
+    pub eps: f32,
+}
+
+/// Rows per partial sum of the scale's gradient: the partials are added in row order, so the
+/// gradient does not depend on the number of threads.
+const SCALE_GRAD_ROWS: usize = 64;
+
+impl ScaledRmsNormOp {
+    fn scale<'a>(
+        w_storage: &'a CpuStorage,
+        w_layout: &Layout,
+        width: usize,
+    ) -> candle_core::Result<&'a [f32]> {
+        let w = values(w_storage, w_layout)?;
+        if w_layout.dims() != [width] {
+            return Err(error("rms norm: one scale per column"));
+        }
+        Ok(w)
+    }
+}
+
+impl CustomOp2 for ScaledRmsNormOp {
+    fn name(&self) -> &'static str {
+        "fused-scaled-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x_storage: &CpuStorage,
+        x_layout: &Layout,
+        w_storage: &CpuStorage,
+        w_layout: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let x = Rows::new(x_storage, x_layout)?;
+        let w = Self::scale(w_storage, w_layout, x.width)?;
+        let out = fill_rows(x.count, x.width, |i, y| {
+            let x = x.row(i);
+            let scale = rms(x, self.eps);
+            for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+                // The unscaled norm's division, then the product, as the composed form.
+                *y = (x / scale) * w;
+            }
+        });
+        Ok((CpuStorage::F32(out), x_layout.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let (x_guard, x_layout) = x.storage_and_layout();
+        let (w_guard, w_layout) = w.storage_and_layout();
+        let (g_guard, g_layout) = grad.storage_and_layout();
+        let xs = Rows::new(cpu_storage(&x_guard)?, x_layout)?;
+        let gs = Rows::new(cpu_storage(&g_guard)?, g_layout)?;
+        same_shape(x_layout, g_layout)?;
+        let scale = Self::scale(cpu_storage(&w_guard)?, w_layout, xs.width)?;
+        let width = xs.width;
+        // With `g · w` for the unscaled norm's output gradient, `dx` is RmsNormGrad's.
+        let d_x = fill_rows(xs.count, width, |i, dx| {
+            let (x, g) = (xs.row(i), gs.row(i));
+            let r = 1.0 / rms(x, self.eps);
+            let mean_gy = x
+                .iter()
+                .zip(g)
+                .zip(scale)
+                .map(|((&x, &g), &w)| g * w * x * r)
+                .sum::<f32>()
+                / width as f32;
+            for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(g).zip(scale) {
+                *dx = r * (g * w - x * r * mean_gy);
+            }
+        });
+        let partials = crate::team::map_in_parallel(xs.count.div_ceil(SCALE_GRAD_ROWS), |block| {
+            let mut sums = vec![0f32; width];
+            let rows = block * SCALE_GRAD_ROWS..((block + 1) * SCALE_GRAD_ROWS).min(xs.count);
+            for i in rows {
+                let (x, g) = (xs.row(i), gs.row(i));
+                let norm = rms(x, self.eps);
+                for ((sum, &x), &g) in sums.iter_mut().zip(x).zip(g) {
+                    *sum += g * (x / norm);
+                }
+            }
+            sums
+        });
+        let mut d_w = vec![0f32; width];
+        for partial in &partials {
+            for (d_w, &p) in d_w.iter_mut().zip(partial) {
+                *d_w += p;
+            }
+        }
+        let d_x = Tensor::from_vec(d_x, x.shape(), x.device())?;
+        let d_w = Tensor::from_vec(d_w, width, w.device())?;
+        Ok((Some(d_x), Some(d_w)))
     }
 }
 
@@ -1315,6 +1423,41 @@ pub(super) mod tests {
         let grad = |y: &Tensor| grads_of(y, &weights, &[&x]).remove(0);
         close(&grad(&fused), &grad(&reference), 1e-5);
         assert_eq!(grad(&fused).dtype(), DType::F32);
+    }
+
+    /// Values and both gradients against the unscaled norm times a broadcast scale, over more
+    /// rows than one partial sum of the scale's gradient holds.
+    #[test]
+    fn scaled_rms_norm_values_and_gradients_are_the_composed_ones() {
+        let mut rng = StdRng::seed_from_u64(4);
+        let (rows, width) = (2 * SCALE_GRAD_ROWS + 9, 48);
+        let x = random_var(&mut rng, (rows, width), -3.0..3.0);
+        let w = random_var(&mut rng, width, -2.0..2.0);
+        let weights = random(&mut rng, (rows, width), -1.0..1.0);
+        let fused = x
+            .as_tensor()
+            .apply_op2(w.as_tensor(), ScaledRmsNormOp { eps: EPS as f32 })
+            .unwrap();
+        let reference = x
+            .as_tensor()
+            .apply_op1(RmsNormOp { eps: EPS as f32 })
+            .unwrap()
+            .broadcast_mul(w.as_tensor())
+            .unwrap();
+        assert_eq!(
+            fused.to_vec2::<f32>().unwrap(),
+            reference.to_vec2::<f32>().unwrap()
+        );
+        let ours = grads_of(&fused, &weights, &[&x, &w]);
+        let theirs = grads_of(&reference, &weights, &[&x, &w]);
+        close(&ours[0], &theirs[0], 1e-5);
+        close(&ours[1], &theirs[1], 1e-4);
+        let wrong = random(&mut rng, width + 1, -1.0..1.0);
+        assert!(
+            x.as_tensor()
+                .apply_op2(&wrong, ScaledRmsNormOp { eps: 1e-6 })
+                .is_err()
+        );
     }
 
     /// The inference gate: a narrowed (strided) input, against candle's sigmoid; a tracked input
