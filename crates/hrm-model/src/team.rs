@@ -7,8 +7,8 @@
 //! one op and the next.
 //!
 //! Workers finish their parts in any order. They write disjoint elements of one output through
-//! relaxed atomics (a plain store on x86), disjoint chunks each behind its own uncontended lock,
-//! or set-once slots; none of it needs `unsafe`.
+//! relaxed atomics (a plain store on x86), disjoint runs of chunks each behind its own
+//! uncontended lock, or set-once slots; none of it needs `unsafe`.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -56,17 +56,28 @@ pub(crate) fn items_in_parallel(
 }
 
 /// `fill(i, chunk)` over the `len`-value chunks of `out` (the last may be shorter), in
-/// parallel. Each chunk sits behind its own lock, which only its one filler takes.
+/// parallel. The chunks go out in runs of several, each run behind its own lock, which only
+/// the thread that takes the run locks: about eight runs per thread, as candle's team hands
+/// out its ranges, so short rows cost few locks.
 pub(crate) fn chunks_in_parallel(
     out: &mut [f32],
     len: usize,
     fill: impl Fn(usize, &mut [f32]) + Sync,
 ) {
-    let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(len.max(1)).map(Mutex::new).collect();
-    candle_core::utils::barrier_pool().execute_chunked(chunks.len(), |range| {
-        for i in range {
-            let mut chunk = chunks[i].lock().unwrap_or_else(PoisonError::into_inner);
-            fill(i, &mut chunk);
+    let len = len.max(1);
+    let team = candle_core::utils::barrier_pool();
+    let per_run = out
+        .len()
+        .div_ceil(len)
+        .div_ceil((team.n_workers() + 1) * 8)
+        .max(1);
+    let runs: Vec<Mutex<&mut [f32]>> = out.chunks_mut(len * per_run).map(Mutex::new).collect();
+    team.execute_chunked(runs.len(), |range| {
+        for r in range {
+            let mut run = runs[r].lock().unwrap_or_else(PoisonError::into_inner);
+            for (j, chunk) in run.chunks_mut(len).enumerate() {
+                fill(r * per_run + j, chunk);
+            }
         }
     });
 }

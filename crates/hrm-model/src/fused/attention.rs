@@ -24,7 +24,6 @@
 
 use std::sync::Mutex;
 
-use crate::team::map_in_parallel;
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
 use super::exp::sigmoid_in_place;
@@ -33,6 +32,7 @@ use super::{
     softmax_in_place, values,
 };
 use crate::layers::RopeLayout;
+use crate::team::map_in_parallel;
 
 /// Multi-head attention over a whole pass (no cache), with its backward pass; see the module
 /// doc for the layout.
