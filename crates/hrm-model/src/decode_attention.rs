@@ -62,7 +62,8 @@ pub(crate) fn attend(q: &[f32], caches: &[CacheView<'_>], shape: Heads, scale: f
         assert_eq!(cache.values.len(), kv_heads * cache.capacity * d);
     }
     let kernel = Kernel::detect();
-    crate::team::items_in_parallel(caches.len() * heads, d, |item, out| {
+    let mut out = vec![0f32; caches.len() * heads * d];
+    crate::team::chunks_in_parallel(&mut out, d, |item, out| {
         let (sequence, head) = (item / heads, item % heads);
         let cache = &caches[sequence];
         let kv_head = head / (heads / kv_heads);
@@ -76,7 +77,8 @@ pub(crate) fn attend(q: &[f32], caches: &[CacheView<'_>], shape: Heads, scale: f
             scale,
             out,
         );
-    })
+    });
+    out
 }
 
 /// One query against `keys` and `values` of `len × d`, into `out` (`d`).

@@ -35,26 +35,6 @@ pub(crate) fn columns_in_parallel(
     into_values(dst)
 }
 
-/// `n` items of `len` values each, computed in parallel: `fill(item, values)` fills item
-/// `item`'s values, which lie at `item * len..(item + 1) * len` of the output.
-pub(crate) fn items_in_parallel(
-    n: usize,
-    len: usize,
-    fill: impl Fn(usize, &mut [f32]) + Sync,
-) -> Vec<f32> {
-    let dst = zeroed(n * len);
-    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
-        let mut values = vec![0f32; len];
-        for item in range {
-            fill(item, &mut values);
-            for (slot, v) in dst[item * len..(item + 1) * len].iter().zip(&values) {
-                slot.store(v.to_bits(), Ordering::Relaxed);
-            }
-        }
-    });
-    into_values(dst)
-}
-
 /// `fill(i, chunk)` over the `len`-value chunks of `out` (the last may be shorter), in
 /// parallel. The chunks go out in runs of several, each run behind its own lock, which only
 /// the thread that takes the run locks: about eight runs per thread, as candle's team hands
@@ -115,7 +95,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_column_item_chunk_and_slot_lands_in_its_place() {
+    fn every_column_chunk_and_slot_lands_in_its_place() {
         let (rows, n) = (3, 1000);
         let out = columns_in_parallel(rows, n, |columns, block| {
             for (c, j) in columns.enumerate() {
@@ -125,13 +105,7 @@ mod tests {
             }
         });
         assert!(out.iter().enumerate().all(|(e, v)| *v == e as f32));
-        let out = items_in_parallel(500, 7, |item, values| {
-            for (k, v) in values.iter_mut().enumerate() {
-                *v = (item * 7 + k) as f32;
-            }
-        });
-        assert!(out.iter().enumerate().all(|(e, v)| *v == e as f32));
-        assert!(items_in_parallel(0, 7, |_, _| unreachable!()).is_empty());
+        chunks_in_parallel(&mut [], 7, |_, _| unreachable!());
         let mut out = vec![0f32; 1003];
         chunks_in_parallel(&mut out, 10, |chunk, values| {
             for (k, v) in values.iter_mut().enumerate() {
