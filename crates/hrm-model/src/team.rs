@@ -45,6 +45,14 @@ pub(crate) fn chunks_in_parallel(
     fill: impl Fn(usize, &mut [f32]) + Sync,
 ) {
     let len = len.max(1);
+    if out.is_empty() {
+        return;
+    }
+    if out.len() <= len {
+        // One chunk (a small parameter's AdamW step): nothing to share.
+        fill(0, out);
+        return;
+    }
     let team = candle_core::utils::barrier_pool();
     let per_run = out
         .len()
@@ -106,6 +114,9 @@ mod tests {
         });
         assert!(out.iter().enumerate().all(|(e, v)| *v == e as f32));
         chunks_in_parallel(&mut [], 7, |_, _| unreachable!());
+        let mut one = [0f32; 5];
+        chunks_in_parallel(&mut one, 7, |i, chunk| chunk.fill(i as f32 + 1.0));
+        assert_eq!(one, [1.0; 5]);
         let mut out = vec![0f32; 1003];
         chunks_in_parallel(&mut out, 10, |chunk, values| {
             for (k, v) in values.iter_mut().enumerate() {

@@ -208,8 +208,8 @@ impl AdamW {
 /// One parameter's AdamW update, with the step's constants.
 ///
 /// On the CPU in f32 it runs fused ([`fusable`]): one pass updates each moment in place and one
-/// pass updates the parameter in place, with no temporary tensors, in chunks over candle's thread team. Elsewhere it runs as candle
-/// tensor ops ([`ParamStep::composed`]). The two are the same f32 arithmetic in the same order
+/// pass updates the parameter in place, with no temporary tensors, in chunks over candle's
+/// thread team. Elsewhere it runs as candle tensor ops ([`ParamStep::composed`]). The two are the same f32 arithmetic in the same order
 /// (candle's `tensor * x` is `t * x + 0`, `tensor / x` is `t * (1 / x) + 0`), so they agree bit
 /// for bit; a test holds them to that.
 #[derive(Clone, Copy, Debug)]
