@@ -103,7 +103,7 @@ fn init_logging(default_level: &str) {
 ///
 /// glibc gives threads their own heap arenas (up to eight per core) and keeps what each arena
 /// once held. The model work of every subcommand moves between threads of several pools (the
-/// async runtime's blocking threads, candle's rayon pool, the scheduler), so a long-running hub
+/// async runtime's blocking threads, candle's thread team, the scheduler), so a long-running hub
 /// came to hold many arenas' worth of freed memory: in the network benchmark its peak RSS fell
 /// from 2.6-3.5 GB to 1.2-1.4 GB with two arenas (docs/performance.md). An operator's own
 /// `MALLOC_ARENA_MAX` wins.

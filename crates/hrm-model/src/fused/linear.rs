@@ -9,7 +9,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
-use super::{Rows, Strided, cpu_storage, error, gemm_new, pool_for, row_readable, values};
+use super::{Rows, Strided, cpu_storage, error, gemm_new, row_readable, split_for, values};
 
 /// `y = x · wᵀ` for `x: [.., k]` (rows at one stride) and a contiguous `w: [n, k]`.
 pub struct LinearOp;
@@ -44,7 +44,7 @@ impl CustomOp2 for LinearOp {
         let w = values(w_storage, w_layout)?;
         let xs = Strided::matrix(x.values, 0, 0, (x.count, k), (x.stride, 1))?;
         let wt = Strided::matrix(w, 0, 0, (n, k), (k, 1))?.t();
-        let out = gemm_new(&xs, &wt, (x.count, k, n), 1.0, pool_for(x.count * k * n));
+        let out = gemm_new(&xs, &wt, (x.count, k, n), 1.0, split_for(x.count * k * n));
         let mut dims = x_layout.dims().to_vec();
         *dims.last_mut().expect("rows have a last dimension") = n;
         Ok((CpuStorage::F32(out), Shape::from(dims)))
@@ -71,7 +71,7 @@ impl CustomOp2 for LinearOp {
         let gs = Strided::matrix(g.values, 0, 0, (rows, n), (g.stride, 1))?;
         let xs = Strided::matrix(x_rows.values, 0, 0, (rows, k), (x_rows.stride, 1))?;
         let ws = Strided::matrix(w_values, 0, 0, (n, k), (k, 1))?;
-        let split = pool_for(rows * n * k);
+        let split = split_for(rows * n * k);
         let d_x = gemm_new(&gs, &ws, (rows, n, k), 1.0, split);
         let d_w = gemm_new(&gs.t(), &xs, (n, rows, k), 1.0, split);
         let d_x = Tensor::from_vec(d_x, x.shape(), x.device())?;

@@ -15,7 +15,8 @@
 //! - [`batched_matmul`]: attention's `scale · A · B` over `[batch, heads]` of small matrices,
 //!   one single-threaded GEMM per matrix spread over the thread team (candle runs the matrices
 //!   one after another, each split over a pool, which costs more in hand-offs than small
-//!   matrices take); its backward pass is two more of the same (`dA = scale · G Bᵀ`, `dB = scale · Aᵀ G`).
+//!   matrices take); its backward pass is two more of the same (`dA = scale · G Bᵀ`,
+//!   `dB = scale · Aᵀ G`).
 //! - [`grouped_matmul`]: a mixture-of-experts block's per-expert products, `x · w[e]` over the
 //!   rows routed to each expert, as one op; its backward pass writes each expert's weight
 //!   gradient into its own block (`dW[e] = xₑᵀ · gₑ`) instead of a full-size gradient per expert.
@@ -34,11 +35,10 @@
 //! matrices and the blocks of a large product are spread over candle's persistent thread team
 //! (`crate::team`), the one that candle's own CPU kernels use, except in tensors too small to
 //! pay for the hand-off: a second pool (rayon's, gemm's own parallel mode) would wake and spin
-//! against it between one op and the next. Tests
-//! hold each to the composed form's values and gradients. The slice helpers here also serve
-//! the fused AdamW step (`train::optim`).
+//! against it between one op and the next. Tests hold each to the composed form's values and
+//! gradients. The slice helpers here also serve the fused AdamW step (`train::optim`).
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 
@@ -295,13 +295,23 @@ impl CustomOp2 for RmsNormGrad {
         g_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         map_row_pairs((x_storage, x_layout), (g_storage, g_layout), |dx, x, g| {
-            let r = 1.0 / rms(x, self.eps);
-            let mean_gy = x.iter().zip(g).map(|(&x, &g)| g * x * r).sum::<f32>() / x.len() as f32;
-            for ((dx, &x), &g) in dx.iter_mut().zip(x).zip(g) {
-                *dx = r * (g - x * r * mean_gy);
-            }
+            dx.copy_from_slice(g);
+            rms_norm_grad_in_place(x, self.eps, dx);
         })
     }
+}
+
+/// The input gradient of one row of the unscaled norm, in place: `dx` holds the output's
+/// gradient `g` on entry and `r (g - y · mean(g y))` on return. Returns the row's
+/// `sqrt(mean(x²) + eps)`.
+fn rms_norm_grad_in_place(x: &[f32], eps: f32, dx: &mut [f32]) -> f32 {
+    let norm = rms(x, eps);
+    let r = 1.0 / norm;
+    let mean_gy = x.iter().zip(&*dx).map(|(&x, &g)| g * x * r).sum::<f32>() / x.len() as f32;
+    for (dx, &x) in dx.iter_mut().zip(x) {
+        *dx = r * (*dx - x * r * mean_gy);
+    }
+    norm
 }
 
 /// RMSNorm with a learned scale (Llama's): `(x / sqrt(mean(x²) + eps)) · w` over the last
@@ -371,36 +381,32 @@ impl CustomOp2 for ScaledRmsNormOp {
         same_shape(x_layout, g_layout)?;
         let scale = Self::scale(cpu_storage(&w_guard)?, w_layout, xs.width)?;
         let width = xs.width;
-        // With `g · w` for the unscaled norm's output gradient, `dx` is RmsNormGrad's.
-        let d_x = fill_rows(xs.count, width, |i, dx| {
-            let (x, g) = (xs.row(i), gs.row(i));
-            let r = 1.0 / rms(x, self.eps);
-            let mean_gy = x
-                .iter()
-                .zip(g)
-                .zip(scale)
-                .map(|((&x, &g), &w)| g * w * x * r)
-                .sum::<f32>()
-                / width as f32;
-            for (((dx, &x), &g), &w) in dx.iter_mut().zip(x).zip(g).zip(scale) {
-                *dx = r * (g * w - x * r * mean_gy);
-            }
-        });
-        let partials = crate::team::map_in_parallel(xs.count.div_ceil(SCALE_GRAD_ROWS), |block| {
+        // One pass over blocks of rows: each row's `dx` is the unscaled norm's with `g · w` for
+        // its output gradient, and the block's partial sum of `g · y` for the scale.
+        let mut d_x = vec![0f32; xs.count * width];
+        let partials: Vec<OnceLock<Vec<f32>>> = (0..xs.count.div_ceil(SCALE_GRAD_ROWS))
+            .map(|_| OnceLock::new())
+            .collect();
+        crate::team::chunks_in_parallel(&mut d_x, SCALE_GRAD_ROWS * width, |block, d_x| {
             let mut sums = vec![0f32; width];
-            let rows = block * SCALE_GRAD_ROWS..((block + 1) * SCALE_GRAD_ROWS).min(xs.count);
-            for i in rows {
+            for (j, dx) in d_x.chunks_exact_mut(width).enumerate() {
+                let i = block * SCALE_GRAD_ROWS + j;
                 let (x, g) = (xs.row(i), gs.row(i));
-                let norm = rms(x, self.eps);
+                for ((dx, &g), &w) in dx.iter_mut().zip(g).zip(scale) {
+                    *dx = g * w;
+                }
+                let norm = rms_norm_grad_in_place(x, self.eps, dx);
                 for ((sum, &x), &g) in sums.iter_mut().zip(x).zip(g) {
                     *sum += g * (x / norm);
                 }
             }
-            sums
+            // Each block is filled once, by the one thread that holds it.
+            let _ = partials[block].set(sums);
         });
         let mut d_w = vec![0f32; width];
-        for partial in &partials {
-            for (d_w, &p) in d_w.iter_mut().zip(partial) {
+        for partial in partials {
+            let partial = partial.into_inner().expect("every block was filled");
+            for (d_w, p) in d_w.iter_mut().zip(partial) {
                 *d_w += p;
             }
         }
@@ -749,27 +755,27 @@ impl CustomOp2 for BatchedMatMul {
         let ((a_step, a_strides), (b_step, b_strides)) = (strides(a_layout)?, strides(b_layout)?);
         let a = &a_storage.as_slice::<f32>()?[a_layout.start_offset()..];
         let b = &b_storage.as_slice::<f32>()?[b_layout.start_offset()..];
+        let operands = (0..count)
+            .map(|i| {
+                Ok((
+                    Strided::matrix(a, i, a_step, (m, k), a_strides)?,
+                    Strided::matrix(b, i, b_step, (k, n), b_strides)?,
+                ))
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
         let mut out = vec![0.0f32; count * m * n];
-        let product = |(i, out): (usize, &mut [f32])| -> candle_core::Result<()> {
-            let a = Strided::matrix(a, i, a_step, (m, k), a_strides)?;
-            let b = Strided::matrix(b, i, b_step, (k, n), b_strides)?;
-            gemm_into(out, &a, &b, (m, k, n), self.scale, Split::Serial);
-            Ok(())
+        let product = |i: usize, out: &mut [f32]| {
+            let (a, b) = &operands[i];
+            gemm_into(out, a, b, (m, k, n), self.scale, Split::Serial);
         };
-        // A decode step's few one-row products take less time than handing them to the pool.
+        // A decode step's few one-row products take less time than handing them to the team.
         if m * n > 0 {
             if count * m * n * k < SEQUENTIAL_MATMUL_LIMIT {
-                out.chunks_mut(m * n).enumerate().try_for_each(product)?;
+                for (i, out) in out.chunks_mut(m * n).enumerate() {
+                    product(i, out);
+                }
             } else {
-                let failure = Mutex::new(Ok(()));
-                crate::team::chunks_in_parallel(&mut out, m * n, |i, out| {
-                    if let Err(e) = product((i, out)) {
-                        *failure.lock().unwrap_or_else(PoisonError::into_inner) = Err(e);
-                    }
-                });
-                failure
-                    .into_inner()
-                    .unwrap_or_else(PoisonError::into_inner)?;
+                crate::team::chunks_in_parallel(&mut out, m * n, product);
             }
         }
         let mut shape = a_dims.to_vec();
@@ -1028,7 +1034,7 @@ unsafe fn gemm_at(
 /// The output pointer, shared by the team's threads, each writing its own block.
 #[derive(Clone, Copy)]
 struct SharedOut(*mut f32);
-// SAFETY: the threads that share it write disjoint blocks (see `gemm_update`).
+// SAFETY: the threads that share it write disjoint blocks (see `gemm_at`).
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 
@@ -1082,7 +1088,7 @@ unsafe fn gemm_block(
 
 /// A product of `macs` multiply-adds split over the team when it is large enough to repay the
 /// hand-off.
-fn pool_for(macs: usize) -> Split {
+fn split_for(macs: usize) -> Split {
     if macs >= SEQUENTIAL_MATMUL_LIMIT {
         Split::Team
     } else {
@@ -1165,7 +1171,7 @@ impl CustomOp2 for GroupedMatMul {
                 // without accumulation writes each block in full before reading it.
                 unsafe {
                     for (a, b, m) in operands {
-                        gemm_at(at, &a, &b, (m, k, n), 1.0, false, pool_for(m * k * n));
+                        gemm_at(at, &a, &b, (m, k, n), 1.0, false, split_for(m * k * n));
                         at = at.add(m * n);
                     }
                     out.set_len(rows * n);
@@ -1189,7 +1195,7 @@ impl CustomOp2 for GroupedMatMul {
                         &b,
                         (k, m, n),
                         1.0,
-                        pool_for(k * m * n),
+                        split_for(k * m * n),
                     );
                     start += m;
                 }
@@ -1346,7 +1352,7 @@ pub(super) mod tests {
 
     /// Cutting a product over the team, by rows (tall outputs) or by columns (wide ones,
     /// including a transposed operand and an accumulating product), gives the serial product's
-    /// bits.
+    /// bits. (On a one-core machine the team has no workers, and both take the serial path.)
     #[test]
     fn split_products_are_the_serial_ones() {
         let mut rng = StdRng::seed_from_u64(31);
@@ -1425,8 +1431,9 @@ pub(super) mod tests {
         assert_eq!(grad(&fused).dtype(), DType::F32);
     }
 
-    /// Values and both gradients against the unscaled norm times a broadcast scale, over more
-    /// rows than one partial sum of the scale's gradient holds.
+    /// Values bit for bit against the unscaled norm times a broadcast scale, and both gradients
+    /// against candle's composed norm times the scale, over more rows than one partial sum of
+    /// the scale's gradient holds.
     #[test]
     fn scaled_rms_norm_values_and_gradients_are_the_composed_ones() {
         let mut rng = StdRng::seed_from_u64(4);
@@ -1448,8 +1455,12 @@ pub(super) mod tests {
             fused.to_vec2::<f32>().unwrap(),
             reference.to_vec2::<f32>().unwrap()
         );
+        // The gradients against candle's own ops throughout, which share no kernel with ours.
+        let candles = composed(x.as_tensor())
+            .broadcast_mul(w.as_tensor())
+            .unwrap();
         let ours = grads_of(&fused, &weights, &[&x, &w]);
-        let theirs = grads_of(&reference, &weights, &[&x, &w]);
+        let theirs = grads_of(&candles, &weights, &[&x, &w]);
         close(&ours[0], &theirs[0], 1e-5);
         close(&ours[1], &theirs[1], 1e-4);
         let wrong = random(&mut rng, width + 1, -1.0..1.0);
