@@ -22,6 +22,16 @@ pub(crate) fn columns_in_parallel(
     n: usize,
     fill: impl Fn(Range<usize>, &mut [f32]) + Sync,
 ) -> Vec<f32> {
+    if rows == 1 {
+        // A single row's block is its own slice of the output (a batch-1 decode step's
+        // product): each thread fills that slice in place, with nothing to copy or scatter.
+        let mut out = vec![0f32; n];
+        let len = n.div_ceil(candle_core::utils::barrier_pool().n_workers() + 1);
+        chunks_in_parallel(&mut out, len, |c, chunk| {
+            fill(c * len..c * len + chunk.len(), chunk)
+        });
+        return out;
+    }
     let dst = zeroed(rows * n);
     candle_core::utils::barrier_pool().execute_chunked(n, |range| {
         let mut block = vec![0f32; range.len() * rows];
@@ -104,15 +114,19 @@ mod tests {
 
     #[test]
     fn every_column_chunk_and_slot_lands_in_its_place() {
-        let (rows, n) = (3, 1000);
-        let out = columns_in_parallel(rows, n, |columns, block| {
-            for (c, j) in columns.enumerate() {
-                for i in 0..rows {
-                    block[c * rows + i] = (i * n + j) as f32;
+        // One row takes the in-place path, several rows the scatter.
+        for (rows, n) in [(3, 1000), (1, 1001), (1, 1)] {
+            let out = columns_in_parallel(rows, n, |columns, block| {
+                assert_eq!(block.len(), columns.len() * rows);
+                for (c, j) in columns.enumerate() {
+                    for i in 0..rows {
+                        block[c * rows + i] = (i * n + j) as f32;
+                    }
                 }
-            }
-        });
-        assert!(out.iter().enumerate().all(|(e, v)| *v == e as f32));
+            });
+            assert_eq!(out.len(), rows * n);
+            assert!(out.iter().enumerate().all(|(e, v)| *v == e as f32));
+        }
         chunks_in_parallel(&mut [], 7, |_, _| unreachable!());
         let mut one = [0f32; 5];
         chunks_in_parallel(&mut one, 7, |i, chunk| chunk.fill(i as f32 + 1.0));
