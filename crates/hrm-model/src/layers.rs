@@ -184,17 +184,19 @@ impl Rotary {
     /// Rotates `x` of shape `[batch, heads, seq_len, head_dim]`.
     pub fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         let x = x.contiguous()?;
-        if !x.track_op() {
-            return match self.layout {
-                RopeLayout::Halves => candle_nn::rotary_emb::rope(&x, cos, sin),
-                RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin),
-            };
-        }
+        // On the CPU in f32 our kernel serves inference too: candle's runs on rayon's pool,
+        // which would wake a second set of threads beside the team for every layer.
         if x.device().is_cpu() && x.dtype() == DType::F32 {
             let op = crate::fused::RopeOp {
                 layout: self.layout,
             };
             return x.apply_op3(cos, sin, op);
+        }
+        if !x.track_op() {
+            return match self.layout {
+                RopeLayout::Halves => candle_nn::rotary_emb::rope(&x, cos, sin),
+                RopeLayout::Interleaved => candle_nn::rotary_emb::rope_i(&x, cos, sin),
+            };
         }
         rope_composed(&x, cos, sin, self.layout)
     }
