@@ -1429,6 +1429,18 @@ pub(super) mod tests {
         let grad = |y: &Tensor| grads_of(y, &weights, &[&x]).remove(0);
         close(&grad(&fused), &grad(&reference), 1e-5);
         assert_eq!(grad(&fused).dtype(), DType::F32);
+        // candle's fused kernel (inference off the CPU) computes the same bits, on the rows it
+        // runs itself and on those it hands to rayon (above 32).
+        let unit = Tensor::ones(width, DType::F32, &Device::Cpu).unwrap();
+        for rows in [5, 70] {
+            let x = random(&mut rng, (rows, width), -3.0..3.0);
+            let ours = x.apply_op1(RmsNormOp { eps: EPS as f32 }).unwrap();
+            let candles = candle_nn::ops::rms_norm(&x, &unit, EPS as f32).unwrap();
+            assert_eq!(
+                ours.to_vec2::<f32>().unwrap(),
+                candles.to_vec2::<f32>().unwrap()
+            );
+        }
     }
 
     /// Values bit for bit against the unscaled norm times a broadcast scale, and both gradients
