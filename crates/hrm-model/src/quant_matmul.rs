@@ -185,7 +185,7 @@ impl<'a> QuantWeights<'a> {
         crate::team::columns_in_parallel(rows, self.out, |range, block| {
             let w = self.rows(range.clone());
             let row_tile = kernel.row_tile();
-            if rows <= row_tile {
+            if (1..=row_tile).contains(&rows) {
                 // One tile: the kernel's column-major output is the block's own layout.
                 kernel.dot_rows(self.format, w, nb, &xs, block);
                 return;
@@ -607,7 +607,8 @@ mod tests {
                 let q = quantized(format, out, k, out as u64);
                 let data = q.data().unwrap();
                 let w = QuantWeights::new(format, &data, out, k).unwrap();
-                for rows in 1..=9 {
+                // No rows (an empty batch) up to more than one tile of the widest kernel.
+                for rows in 0..=9 {
                     let x = random((rows, k), 7 + rows as u64);
                     let scalar = w.matmul_with(Kernel::Scalar, &x, rows);
                     for kernel in Kernel::supported() {
