@@ -14,6 +14,10 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
 
+/// Columns that [`columns_in_parallel`] moves into the output together: a 64-byte line of
+/// each row.
+const SCATTER_COLUMNS: usize = 16;
+
 /// A `rows × n` row-major output whose columns are computed in parallel: `fill(columns, block)`
 /// fills `block[(j - columns.start) * rows + i]` with element `(i, j)` for every `j` in
 /// `columns`.
@@ -36,9 +40,16 @@ pub(crate) fn columns_in_parallel(
     candle_core::utils::barrier_pool().execute_chunked(n, |range| {
         let mut block = vec![0f32; range.len() * rows];
         fill(range.clone(), &mut block);
-        for (j, column) in range.zip(block.chunks_exact(rows.max(1))) {
-            for (i, v) in column.iter().enumerate() {
-                dst[i * n + j].store(v.to_bits(), Ordering::Relaxed);
+        // Transposed a few columns at a time, row by row: output rows lie `n` values apart, so
+        // a column at a time touches a new line (and, for a prefill's rows, a new page) per
+        // value. A 128-token GGUF prefill spent 16% of its samples here, column by column.
+        for (b, columns) in block.chunks(SCATTER_COLUMNS * rows.max(1)).enumerate() {
+            let start = range.start + b * SCATTER_COLUMNS;
+            for i in 0..rows {
+                let row = &dst[i * n + start..];
+                for (out, column) in row.iter().zip(columns.chunks_exact(rows)) {
+                    out.store(column[i].to_bits(), Ordering::Relaxed);
+                }
             }
         }
     });
