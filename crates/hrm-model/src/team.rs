@@ -41,8 +41,8 @@ pub(crate) fn columns_in_parallel(
         let mut block = vec![0f32; range.len() * rows];
         fill(range.clone(), &mut block);
         // Transposed a few columns at a time, row by row: output rows lie `n` values apart, so
-        // a column at a time touches a new line (and, for a prefill's rows, a new page) per
-        // value. A 128-token GGUF prefill spent 16% of its samples here, column by column.
+        // a column at a time would touch a new line (and, over a prefill's rows, a new page)
+        // per value (docs/performance.md measures the difference).
         for (b, columns) in block.chunks(SCATTER_COLUMNS * rows.max(1)).enumerate() {
             let start = range.start + b * SCATTER_COLUMNS;
             for i in 0..rows {
