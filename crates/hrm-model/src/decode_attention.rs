@@ -10,14 +10,25 @@
 //! Invariants:
 //! - Only decode steps (one new position per sequence, with caches) in f32 on the CPU with no
 //!   gradient come here ([`crate::cache::ForwardBatch::decode_attention`] decides).
-//! - Each (sequence, head) pair is computed on its own in a fixed order, so a sequence's output
-//!   does not depend on the batch around it.
+//! - A unit of work is one sequence's KV head over one part of its cached positions (parts of
+//!   [`PART`] positions from the first): all the query heads that share the KV head read each
+//!   key and value row of the part while it is in cache, and the parts of a long cache spread
+//!   over the threads even at batch 1. Each part keeps its softmax unnormalised with its own
+//!   maximum; the parts are merged after. Where the parts fall depends on the sequence's own
+//!   length only, so its output does not depend on the batch around it or on the thread count.
 //! - Scores and the probability-weighted sum of values use the decode products' vector kernels
-//!   ([`crate::decode_matmul::Kernel`]), and the softmax is the prefill's
-//!   ([`crate::fused::softmax_in_place`]); the result agrees with the general path within f32
+//!   ([`crate::decode_matmul::Kernel`]), and the exponentials are the prefill softmax's
+//!   ([`crate::fused::exp_from_max`]); the result agrees with the general path within f32
 //!   rounding, not bit for bit (tests).
 
+use std::ops::Range;
+
 use crate::decode_matmul::{Kernel, Read};
+
+/// Cached positions per unit of work. A part's keys, or its values, at a head size of 64 fill
+/// 16 KiB, half of a core's level-1 data cache, where they stay for every query head of the
+/// group.
+const PART: usize = 64;
 
 /// One sequence's cached keys and values for one attention slot: `[kv_heads, capacity,
 /// head_dim]` buffers, of which the first `len` positions of each head are filled.
@@ -45,8 +56,8 @@ pub(crate) fn attend(q: &[f32], caches: &[CacheView<'_>], shape: Heads, scale: f
         head_dim: d,
     } = shape;
     assert!(
-        kv_heads > 0 && heads % kv_heads == 0,
-        "heads {heads} over kv heads {kv_heads}"
+        d > 0 && kv_heads > 0 && heads % kv_heads == 0,
+        "heads {heads} of size {d} over kv heads {kv_heads}"
     );
     assert_eq!(
         q.len(),
@@ -61,45 +72,111 @@ pub(crate) fn attend(q: &[f32], caches: &[CacheView<'_>], shape: Heads, scale: f
         assert_eq!(cache.keys.len(), kv_heads * cache.capacity * d);
         assert_eq!(cache.values.len(), kv_heads * cache.capacity * d);
     }
+    let group = heads / kv_heads;
+    // (sequence, KV head, positions), in that order, so a group's parts are neighbours.
+    let units: Vec<(usize, usize, Range<usize>)> = caches
+        .iter()
+        .enumerate()
+        .flat_map(|(sequence, cache)| {
+            (0..kv_heads).flat_map(move |kv_head| {
+                (0..cache.len)
+                    .step_by(PART)
+                    .map(move |start| (sequence, kv_head, start..(start + PART).min(cache.len)))
+            })
+        })
+        .collect();
+    // Per unit and query head of its group: the part's maximum score, the sum of its
+    // exponentials, and their weighted sum of values.
+    let stride = d + 2;
+    let mut partials = vec![0f32; units.len() * group * stride];
     let kernel = Kernel::detect();
-    let mut out = vec![0f32; caches.len() * heads * d];
-    crate::team::chunks_in_parallel(&mut out, d, |item, out| {
-        let (sequence, head) = (item / heads, item % heads);
+    crate::team::chunks_in_parallel(&mut partials, group * stride, |unit, partial| {
+        let (sequence, kv_head, ref positions) = units[unit];
         let cache = &caches[sequence];
-        let kv_head = head / (heads / kv_heads);
-        let span = kv_head * cache.capacity * d..(kv_head * cache.capacity + cache.len) * d;
-        let q = &q[item * d..(item + 1) * d];
-        attend_one(
+        let first = kv_head * cache.capacity;
+        let rows = (first + positions.start) * d..(first + positions.end) * d;
+        let queries = &q[(sequence * heads + kv_head * group) * d..][..group * d];
+        attend_part(
             kernel,
-            q,
-            &cache.keys[span.clone()],
-            &cache.values[span],
+            d,
+            queries,
+            &cache.keys[rows.clone()],
+            &cache.values[rows],
             scale,
-            out,
+            partial,
         );
     });
+    let mut out = vec![0f32; caches.len() * heads * d];
+    let mut parts_of_group = partials.chunks_exact(group * stride);
+    for (cache, out) in caches.iter().zip(out.chunks_exact_mut(heads * d)) {
+        let parts = cache.len.div_ceil(PART);
+        for out in out.chunks_exact_mut(group * d) {
+            let group_partials: Vec<&[f32]> = parts_of_group.by_ref().take(parts).collect();
+            for (head, out) in out.chunks_exact_mut(d).enumerate() {
+                merge(
+                    group_partials
+                        .iter()
+                        .map(|p| &p[head * stride..(head + 1) * stride]),
+                    out,
+                );
+            }
+        }
+    }
     out
 }
 
-/// One query against `keys` and `values` of `len × d`, into `out` (`d`).
-fn attend_one(
+/// For each query of `queries` (`group × d`, `d > 0`) against one part's `keys` and `values`
+/// (`n × d`, `n ≤ PART`), `[max score, Σ exp(score − max), Σ exp(score − max) · value]` into `partial`
+/// (`group × (d + 2)`).
+fn attend_part(
     kernel: Kernel,
-    q: &[f32],
+    d: usize,
+    queries: &[f32],
     keys: &[f32],
     values: &[f32],
     scale: f32,
-    out: &mut [f32],
+    partial: &mut [f32],
 ) {
-    let d = q.len();
-    let mut scores = vec![0f32; keys.len() / d.max(1)];
-    let rows: Vec<&[f32]> = keys.chunks_exact(d).collect();
-    let tile = kernel.row_tile();
-    for (rows, scores) in rows.chunks(tile).zip(scores.chunks_mut(tile)) {
-        kernel.dots(q, Read::Cached, rows, scores);
+    let n = keys.len() / d;
+    let mut row_store: [&[f32]; PART] = [&[]; PART];
+    for (slot, row) in row_store.iter_mut().zip(keys.chunks_exact(d)) {
+        *slot = row;
     }
-    scores.iter_mut().for_each(|s| *s *= scale);
-    crate::fused::softmax_in_place(&mut scores);
-    kernel.weighted_rows(&scores, values, out);
+    let rows = &row_store[..n];
+    let mut score_store = [0f32; PART];
+    let scores = &mut score_store[..n];
+    let tile = kernel.row_tile();
+    for (q, partial) in queries.chunks_exact(d).zip(partial.chunks_exact_mut(d + 2)) {
+        for (rows, scores) in rows.chunks(tile).zip(scores.chunks_mut(tile)) {
+            kernel.dots(q, Read::Cached, rows, scores);
+        }
+        scores.iter_mut().for_each(|s| *s *= scale);
+        let (max, total) = crate::fused::exp_from_max(scores);
+        let (stats, acc) = partial.split_at_mut(2);
+        stats.copy_from_slice(&[max, total]);
+        kernel.weighted_rows(scores, values, acc);
+    }
+}
+
+/// One head's output from its parts' `[max, total, weighted sum]`: each part rescaled to the
+/// largest maximum, the weighted sums added and divided by the totals' sum.
+fn merge<'a>(parts: impl Iterator<Item = &'a [f32]> + Clone, out: &mut [f32]) {
+    let max = parts
+        .clone()
+        .map(|p| p[0])
+        .fold(f32::NEG_INFINITY, f32::max);
+    out.fill(0.0);
+    let mut total = 0f32;
+    for part in parts {
+        let weight = (part[0] - max).exp();
+        total += weight * part[1];
+        for (o, v) in out.iter_mut().zip(&part[2..]) {
+            *o += weight * v;
+        }
+    }
+    for o in out.iter_mut() {
+        *o /= total;
+    }
 }
 
 #[cfg(test)]
@@ -130,7 +207,8 @@ mod tests {
             head_dim: 40,
         };
         let (h, g, d) = (shape.heads, shape.kv_heads, shape.head_dim);
-        let lens = [1usize, 7, 64, 130];
+        // Within one part, at its end, one past it, and over three.
+        let lens = [1usize, 7, 64, 65, 130];
         let capacity = 160;
         let buffers: Vec<(Vec<f32>, Vec<f32>)> = (0..lens.len())
             .map(|i| {
@@ -151,51 +229,55 @@ mod tests {
             })
             .collect();
         let q = random(lens.len() * h * d, 99);
-        let scale = 1.0 / (d as f32).sqrt();
-        let ours = attend(&q, &caches, shape, scale);
-        for (i, cache) in caches.iter().enumerate() {
-            let filled = |buffer: &[f32]| {
-                Tensor::from_vec(buffer.to_vec(), (g, capacity, d), &Device::Cpu)
-                    .unwrap()
-                    .narrow(1, 0, cache.len)
-                    .unwrap()
-                    .unsqueeze(1)
-                    .unwrap()
-                    .broadcast_as((g, h / g, cache.len, d))
-                    .unwrap()
-                    .reshape((h, cache.len, d))
-                    .unwrap()
-            };
-            let (k, v) = (filled(cache.keys), filled(cache.values));
-            let qi = Tensor::from_vec(
-                q[i * h * d..(i + 1) * h * d].to_vec(),
-                (h, 1, d),
-                &Device::Cpu,
-            )
-            .unwrap();
-            let scores = (qi.matmul(&k.t().unwrap()).unwrap() * f64::from(scale)).unwrap();
-            let probs = candle_nn::ops::softmax(&scores, D::Minus1).unwrap();
-            let expected: Vec<f32> = probs
-                .matmul(&v)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
+        // A sharp softmax too, where the parts' maxima lie far apart and most of their
+        // rescaling weights underflow.
+        for sharpness in [1.0f32, 16.0] {
+            let scale = sharpness / (d as f32).sqrt();
+            let ours = attend(&q, &caches, shape, scale);
+            for (i, cache) in caches.iter().enumerate() {
+                let filled = |buffer: &[f32]| {
+                    Tensor::from_vec(buffer.to_vec(), (g, capacity, d), &Device::Cpu)
+                        .unwrap()
+                        .narrow(1, 0, cache.len)
+                        .unwrap()
+                        .unsqueeze(1)
+                        .unwrap()
+                        .broadcast_as((g, h / g, cache.len, d))
+                        .unwrap()
+                        .reshape((h, cache.len, d))
+                        .unwrap()
+                };
+                let (k, v) = (filled(cache.keys), filled(cache.values));
+                let qi = Tensor::from_vec(
+                    q[i * h * d..(i + 1) * h * d].to_vec(),
+                    (h, 1, d),
+                    &Device::Cpu,
+                )
                 .unwrap();
-            for (e, (a, b)) in ours[i * h * d..(i + 1) * h * d]
-                .iter()
-                .zip(&expected)
-                .enumerate()
-            {
-                assert!(
-                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                    "sequence {i} (len {}) element {e}: {a} vs {b}",
-                    cache.len
-                );
+                let scores = (qi.matmul(&k.t().unwrap()).unwrap() * f64::from(scale)).unwrap();
+                let probs = candle_nn::ops::softmax(&scores, D::Minus1).unwrap();
+                let expected: Vec<f32> = probs
+                    .matmul(&v)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                for (e, (a, b)) in ours[i * h * d..(i + 1) * h * d]
+                    .iter()
+                    .zip(&expected)
+                    .enumerate()
+                {
+                    assert!(
+                        (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                        "sharpness {sharpness}, sequence {i} (len {}) element {e}: {a} vs {b}",
+                        cache.len
+                    );
+                }
             }
+            // Alone, a sequence gets the same bits as in the batch.
+            let alone = attend(&q[3 * h * d..], &caches[3..], shape, scale);
+            assert_eq!(alone, ours[3 * h * d..]);
         }
-        // Alone, a sequence gets the same bits as in the batch.
-        let alone = attend(&q[3 * h * d..], &caches[3..], shape, scale);
-        assert_eq!(alone, ours[3 * h * d..]);
     }
 }

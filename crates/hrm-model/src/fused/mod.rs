@@ -476,15 +476,21 @@ fn softmax_row(y: &mut [f32], x: &[f32]) {
 /// `x ← softmax(x)` of one row: every softmax of the CPU paths (training, prefill, decode
 /// attention) computes this way.
 pub(crate) fn softmax_in_place(x: &mut [f32]) {
+    let (_, total) = exp_from_max(x);
+    for x in x.iter_mut() {
+        *x /= total;
+    }
+}
+
+/// `x ← exp(x − max(x))`, the softmax before its division: returns `(max(x), Σ x)` of the
+/// result, so that rows softmaxed in parts can be merged.
+pub(crate) fn exp_from_max(x: &mut [f32]) -> (f32, f32) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     for x in x.iter_mut() {
         *x -= max;
     }
     exp::exp_in_place(x);
-    let total: f32 = x.iter().sum();
-    for x in x.iter_mut() {
-        *x /= total;
-    }
+    (max, x.iter().sum())
 }
 
 /// `dx = y (g - sum(g y))`: the input gradient of one softmax row from its output `y` and the
