@@ -5,7 +5,7 @@
 //! runs two batched products and a masked softmax: each decode step copies every sequence's
 //! whole cache, once per query head sharing a KV head. In a decode step each sequence has one
 //! new token, which sees every cached token of its own sequence and nothing else, so no mask is
-//! needed: here each (sequence, head) pair reads its cache buffers where they lie.
+//! needed: here every sequence's cache buffers are read where they lie.
 //!
 //! Invariants:
 //! - Only decode steps (one new position per sequence, with caches) in f32 on the CPU with no
@@ -126,8 +126,8 @@ pub(crate) fn attend(q: &[f32], caches: &[CacheView<'_>], shape: Heads, scale: f
 }
 
 /// For each query of `queries` (`group × d`, `d > 0`) against one part's `keys` and `values`
-/// (`n × d`, `n ≤ PART`), `[max score, Σ exp(score − max), Σ exp(score − max) · value]` into `partial`
-/// (`group × (d + 2)`).
+/// (`n × d`, `n ≤ PART`): `[max score, Σ exp(score − max), Σ exp(score − max) · value]`, into
+/// `partial` (`group × (d + 2)`).
 fn attend_part(
     kernel: Kernel,
     d: usize,
