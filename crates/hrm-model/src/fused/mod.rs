@@ -473,8 +473,8 @@ fn softmax_row(y: &mut [f32], x: &[f32]) {
     softmax_in_place(y);
 }
 
-/// `x ← softmax(x)` of one row: every softmax of the CPU paths (training, prefill, decode
-/// attention) computes this way.
+/// `x ← softmax(x)` of one row: every softmax of the CPU paths (training, prefill) computes this
+/// way, and decode attention its first half ([`exp_from_max`]) over each part of a cache.
 pub(crate) fn softmax_in_place(x: &mut [f32]) {
     let (_, total) = exp_from_max(x);
     for x in x.iter_mut() {
@@ -482,8 +482,8 @@ pub(crate) fn softmax_in_place(x: &mut [f32]) {
     }
 }
 
-/// `x ← exp(x − max(x))`, the softmax before its division: returns `(max(x), Σ x)` of the
-/// result, so that rows softmaxed in parts can be merged.
+/// `x ← exp(x − max(x))`, the softmax before its division. Returns the input's maximum and the
+/// sum of the exponentials, so that a row softmaxed in parts can be merged.
 pub(crate) fn exp_from_max(x: &mut [f32]) -> (f32, f32) {
     let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     for x in x.iter_mut() {
