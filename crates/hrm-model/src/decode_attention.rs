@@ -107,18 +107,18 @@ pub(crate) fn attend(q: &[f32], caches: &[CacheView<'_>], shape: Heads, scale: f
         );
     });
     let mut out = vec![0f32; caches.len() * heads * d];
-    let mut parts_of_group = partials.chunks_exact(group * stride);
+    // A group's parts are neighbours in `partials`, in the order `units` lists them.
+    let mut rest = partials.as_slice();
     for (cache, out) in caches.iter().zip(out.chunks_exact_mut(heads * d)) {
         let parts = cache.len.div_ceil(PART);
         for out in out.chunks_exact_mut(group * d) {
-            let group_partials: Vec<&[f32]> = parts_of_group.by_ref().take(parts).collect();
+            let (group_partials, tail) = rest.split_at(parts * group * stride);
+            rest = tail;
             for (head, out) in out.chunks_exact_mut(d).enumerate() {
-                merge(
-                    group_partials
-                        .iter()
-                        .map(|p| &p[head * stride..(head + 1) * stride]),
-                    out,
-                );
+                let head_partials = group_partials
+                    .chunks_exact(group * stride)
+                    .map(|p| &p[head * stride..(head + 1) * stride]);
+                merge(head_partials, out);
             }
         }
     }
