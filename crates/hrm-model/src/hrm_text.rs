@@ -418,11 +418,14 @@ impl CausalLm for HrmText {
         }
         batch.commit();
 
-        let hidden = match batch.logits {
-            Logits::All => z_high,
-            Logits::Last => z_high.narrow(1, batch.seq_len() - 1, 1)?,
+        let logits = match batch.logits {
+            Logits::All => self.lm_head.forward(&z_high)?,
+            Logits::Last => {
+                let last = z_high.narrow(1, batch.seq_len() - 1, 1)?;
+                self.lm_head.forward(&last)?
+            }
+            Logits::Hidden => z_high,
         };
-        let logits = self.lm_head.forward(&hidden)?;
         let aux_loss = if aux.is_empty() {
             None
         } else {
@@ -434,5 +437,9 @@ impl CausalLm for HrmText {
 
     fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    fn lm_head_weight(&self) -> Option<&Tensor> {
+        self.lm_head.dense_weight()
     }
 }

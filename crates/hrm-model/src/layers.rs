@@ -29,6 +29,14 @@ impl Linear {
         Ok(Self::Dense(candle_nn::linear_no_bias(in_dim, out_dim, vb)?))
     }
 
+    /// The weight `[out, in]` of a dense projection.
+    pub fn dense_weight(&self) -> Option<&Tensor> {
+        match self {
+            Self::Dense(l) => Some(l.weight()),
+            Self::Quantized(_) => None,
+        }
+    }
+
     /// Bytes of weights read by one application.
     pub fn weight_bytes(&self) -> usize {
         match self {

@@ -43,7 +43,8 @@ use candle_core::{DType, Device, Tensor};
 /// What one forward pass returns.
 pub struct ModelOutput {
     /// `[batch, positions, vocab]`: every input position, or only the last one
-    /// when the batch asked for [`Logits::Last`].
+    /// when the batch asked for [`Logits::Last`]. With [`Logits::Hidden`], the final hidden
+    /// states `[batch, positions, hidden]` instead.
     pub logits: Tensor,
     /// The mixture-of-experts load-balancing loss (Switch Transformer style), averaged over
     /// every MoE block invocation of the pass. `None` for dense models.
@@ -57,6 +58,9 @@ pub enum Logits {
     All,
     /// Only the last input position of each row (generation).
     Last,
+    /// No logits: every position's final hidden state, the head's input, for a loss that
+    /// applies the head itself ([`CausalLm::lm_head_weight`]).
+    Hidden,
 }
 
 /// Static facts about a loaded model that the engine and the services need.
@@ -84,4 +88,9 @@ pub trait CausalLm: Send + Sync {
     fn forward(&self, batch: &mut ForwardBatch<'_>) -> candle_core::Result<ModelOutput>;
 
     fn info(&self) -> &ModelInfo;
+
+    /// The language-model head's weight `[vocab, hidden]` when it is a dense matrix, which
+    /// training's loss applies to the [`Logits::Hidden`] states itself; `None` for a quantised
+    /// head.
+    fn lm_head_weight(&self) -> Option<&Tensor>;
 }

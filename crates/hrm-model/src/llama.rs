@@ -5,7 +5,7 @@
 //! use [`RopeLayout::Interleaved`] on the stored weights instead of un-permuting them.
 
 use candle_core::quantized::{QMatMul, QTensor, ggml_file, gguf_file};
-use candle_core::{DType, Device, Module, Result};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
 
@@ -408,10 +408,15 @@ impl CausalLm for Llama {
         }
         batch.commit();
         let x = match batch.logits {
-            Logits::All => x,
+            Logits::All | Logits::Hidden => x,
             Logits::Last => x.narrow(1, batch.seq_len() - 1, 1)?,
         };
-        let logits = self.lm_head.forward(&self.norm.forward(&x)?)?;
+        let hidden = self.norm.forward(&x)?;
+        let logits = if batch.logits == Logits::Hidden {
+            hidden
+        } else {
+            self.lm_head.forward(&hidden)?
+        };
         Ok(ModelOutput {
             logits,
             aux_loss: None,
@@ -420,6 +425,10 @@ impl CausalLm for Llama {
 
     fn info(&self) -> &ModelInfo {
         &self.info
+    }
+
+    fn lm_head_weight(&self) -> Option<&Tensor> {
+        self.lm_head.dense_weight()
     }
 }
 

@@ -15,7 +15,7 @@ use super::{Rows, Strided, cpu_storage, error, gemm_new, row_readable, split_for
 pub struct LinearOp;
 
 /// `x` as `rows × k` (values from its first row, row stride) and `w`'s `(n, k)`, checked.
-fn operands<'a>(
+pub(super) fn operands<'a>(
     x_storage: &'a CpuStorage,
     x_layout: &Layout,
     w_layout: &Layout,

@@ -25,6 +25,8 @@
 //! - [`cross_entropy`]: mean next-token cross-entropy over the vocabulary, one pass forward and
 //!   one pass backward (`dx = (softmax(x) - onehot(label)) · g`), no `[rows, vocab]` temporaries
 //!   besides the gradient itself.
+//! - [`head_cross_entropy`]: the language-model head's product and that cross-entropy as one
+//!   op, whose logits never become a graph node (`head_loss.rs`).
 //!
 //! Their `exp` is `exp.rs`'s, eight lanes at a time. Inference uses [`SoftmaxOp`] too (on the
 //! CPU in f32) and [`sigmoid`] for the attention gate, for the same `exp`: glibc's scalar
@@ -46,9 +48,11 @@ use crate::layers::RopeLayout;
 
 mod attention;
 mod exp;
+mod head_loss;
 mod linear;
 mod routing;
 pub use attention::AttentionOp;
+pub use head_loss::head_cross_entropy;
 pub use linear::linear;
 pub use routing::{Routing, combine_rows, gather_rows};
 
@@ -1231,6 +1235,20 @@ impl CustomOp2 for GroupedMatMul {
 /// in f32 the fused kernel with its backward pass; elsewhere candle's composed form.
 pub fn cross_entropy(logits: &Tensor, labels: &[u32]) -> crate::Result<Tensor> {
     let (rows, vocab) = logits.dims2()?;
+    check_labels(rows, vocab, labels)?;
+    if logits.device().is_cpu() && logits.dtype() == candle_core::DType::F32 {
+        let op = CrossEntropyOp {
+            labels: labels.into(),
+        };
+        Ok(row_readable(logits)?.apply_op1(op)?.mean_all()?)
+    } else {
+        let labels = Tensor::from_slice(labels, rows, logits.device())?;
+        Ok(candle_nn::loss::cross_entropy(logits, &labels)?)
+    }
+}
+
+/// One label per row, each inside the vocabulary.
+fn check_labels(rows: usize, vocab: usize, labels: &[u32]) -> crate::Result<()> {
     if labels.len() != rows {
         return Err(crate::Error::InvalidInput(format!(
             "{} labels for {rows} rows of logits",
@@ -1242,15 +1260,7 @@ pub fn cross_entropy(logits: &Tensor, labels: &[u32]) -> crate::Result<Tensor> {
             "label {bad} outside the vocabulary of {vocab}"
         )));
     }
-    if logits.device().is_cpu() && logits.dtype() == candle_core::DType::F32 {
-        let op = CrossEntropyOp {
-            labels: labels.into(),
-        };
-        Ok(row_readable(logits)?.apply_op1(op)?.mean_all()?)
-    } else {
-        let labels = Tensor::from_slice(labels, rows, logits.device())?;
-        Ok(candle_nn::loss::cross_entropy(logits, &labels)?)
-    }
+    Ok(())
 }
 
 /// Per-row cross-entropy `logsumexp(x) - x[label]` of `[rows, vocab]` logits, with its backward

@@ -32,10 +32,26 @@ pub fn lm_loss(model: &dyn CausalLm, rows: &[Vec<u32>], aux_coef: f64) -> Result
     let labels: Vec<u32> = rows.iter().flat_map(|r| r[1..].iter().copied()).collect();
     let info = model.info();
     let blocks = vec![0; rows.len()];
-    let mut batch = ForwardBatch::full_pass(&inputs, &blocks, Logits::All, info)?;
+    // A dense head is applied inside the loss, so that the logits never become a graph node.
+    let head = model.lm_head_weight();
+    let wanted = if head.is_some() {
+        Logits::Hidden
+    } else {
+        Logits::All
+    };
+    let mut batch = ForwardBatch::full_pass(&inputs, &blocks, wanted, info)?;
     let out = model.forward(&mut batch)?;
-    let logits = out.logits.flatten_to(1)?.to_dtype(DType::F32)?;
-    let cross_entropy = crate::fused::cross_entropy(&logits, &labels)?;
+    let cross_entropy = match head {
+        Some(weight) => crate::fused::head_cross_entropy(
+            &out.logits.to_dtype(DType::F32)?,
+            &weight.to_dtype(DType::F32)?,
+            &labels,
+        )?,
+        None => {
+            let logits = out.logits.flatten_to(1)?.to_dtype(DType::F32)?;
+            crate::fused::cross_entropy(&logits, &labels)?
+        }
+    };
     let total = match &out.aux_loss {
         Some(aux) if aux_coef > 0.0 => (&cross_entropy + (aux.to_dtype(DType::F32)? * aux_coef)?)?,
         _ => cross_entropy.clone(),
