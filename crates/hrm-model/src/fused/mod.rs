@@ -986,6 +986,25 @@ fn gemm_new(
     out
 }
 
+/// Each `a · b` of `products` (`a: m × k`, `b: k × n`), their `m × n` results one after
+/// another in one vector.
+fn gemm_stacked(products: &[(Strided, Strided, (usize, usize, usize))]) -> Vec<f32> {
+    let len = products.iter().map(|&(_, _, (m, _, n))| m * n).sum();
+    let mut out = Vec::with_capacity(len);
+    let mut at = out.as_mut_ptr();
+    // SAFETY: the products' blocks of `m × n` values tile `out`'s `len` one after another; gemm
+    // without `accumulate` writes each block in full (zeros when `k` is 0, an empty sum) and
+    // reads none of it before.
+    unsafe {
+        for &(a, b, (m, k, n)) in products {
+            gemm_at(at, &a, &b, (m, k, n), 1.0, false, split_for(m * k * n));
+            at = at.add(m * n);
+        }
+        out.set_len(len);
+    }
+    out
+}
+
 /// [`gemm_update`] into `m × n` values at `dst`, rows `n` apart.
 ///
 /// [`Split::Team`] cuts the larger of the output's two sides into one block per thread of
@@ -1164,29 +1183,21 @@ impl CustomOp2 for GroupedMatMul {
                 let &[w_step, w_rs, w_cs] = other_layout.stride() else {
                     return Err(error("grouped matmul: a 3-d weight"));
                 };
-                let operands = self
+                let products = self
                     .sizes
                     .iter()
                     .enumerate()
                     .map(|(e, &m)| {
                         let a = group_rows(start, m)?;
                         start += m;
-                        Ok((a, Strided::matrix(w, e, w_step, (k, n), (w_rs, w_cs))?, m))
+                        let b = Strided::matrix(w, e, w_step, (k, n), (w_rs, w_cs))?;
+                        Ok((a, b, (m, k, n)))
                     })
                     .collect::<candle_core::Result<Vec<_>>>()?;
-                let mut out = Vec::with_capacity(rows * n);
-                let mut at = out.as_mut_ptr();
-                // SAFETY: the groups' rows add up to `rows` (`check_group_sizes`), so the groups'
-                // blocks of `m × n` values tile `out`'s `rows × n` one after another; gemm
-                // without accumulation writes each block in full before reading it.
-                unsafe {
-                    for (a, b, m) in operands {
-                        gemm_at(at, &a, &b, (m, k, n), 1.0, false, split_for(m * k * n));
-                        at = at.add(m * n);
-                    }
-                    out.set_len(rows * n);
-                }
-                Ok((CpuStorage::F32(out), Shape::from((rows, n))))
+                Ok((
+                    CpuStorage::F32(gemm_stacked(&products)),
+                    Shape::from((rows, n)),
+                ))
             }
             GroupedPass::WeightGrad => {
                 let (g_rows, n) = other_layout.shape().dims2()?;
@@ -1196,20 +1207,20 @@ impl CustomOp2 for GroupedMatMul {
                 let groups = self.sizes.len();
                 check_group_sizes(&self.sizes, groups, rows)?;
                 let (g, g_strides) = strided_2d(other_storage, other_layout)?;
-                let mut out = vec![0.0f32; groups * k * n];
-                for (block, &m) in out.chunks_mut((k * n).max(1)).zip(self.sizes.iter()) {
-                    let b = Strided::matrix(g, start, g_strides.0, (m, n), g_strides)?;
-                    gemm_into(
-                        block,
-                        &group_rows(start, m)?.t(),
-                        &b,
-                        (k, m, n),
-                        1.0,
-                        split_for(k * m * n),
-                    );
-                    start += m;
-                }
-                Ok((CpuStorage::F32(out), Shape::from((groups, k, n))))
+                let products = self
+                    .sizes
+                    .iter()
+                    .map(|&m| {
+                        let a = group_rows(start, m)?.t();
+                        let b = Strided::matrix(g, start, g_strides.0, (m, n), g_strides)?;
+                        start += m;
+                        Ok((a, b, (k, m, n)))
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Ok((
+                    CpuStorage::F32(gemm_stacked(&products)),
+                    Shape::from((groups, k, n)),
+                ))
             }
         }
     }
