@@ -418,13 +418,14 @@ impl CausalLm for HrmText {
         }
         batch.commit();
 
-        let logits = match batch.logits {
-            Logits::All => self.lm_head.forward(&z_high)?,
-            Logits::Last => {
-                let last = z_high.narrow(1, batch.seq_len() - 1, 1)?;
-                self.lm_head.forward(&last)?
-            }
-            Logits::Hidden => z_high,
+        let hidden = match batch.logits {
+            Logits::All | Logits::Hidden => z_high,
+            Logits::Last => z_high.narrow(1, batch.seq_len() - 1, 1)?,
+        };
+        let logits = if batch.logits == Logits::Hidden {
+            hidden
+        } else {
+            self.lm_head.forward(&hidden)?
         };
         let aux_loss = if aux.is_empty() {
             None

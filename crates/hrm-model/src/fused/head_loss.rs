@@ -17,11 +17,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
-use super::linear::operands;
-use super::{
-    Rows, Strided, check_labels, cpu_storage, exp_from_max, gemm_new, row_readable, split_for,
-    values,
-};
+use super::linear::{operands, product, product_grads};
+use super::{Rows, Strided, check_labels, cpu_storage, exp_from_max, row_readable, values};
 
 /// Mean cross-entropy of `hidden · weightᵀ` (the logits of `hidden: [.., k]` under a head
 /// `weight: [vocab, k]`) against `labels`, one per row of `hidden`. On the CPU in f32 the fused
@@ -34,8 +31,10 @@ pub fn head_cross_entropy(
     let (vocab, _) = weight.dims2()?;
     let rows = hidden.dims().iter().rev().skip(1).product();
     check_labels(rows, vocab, labels)?;
-    let on_cpu_f32 = |t: &Tensor| t.device().is_cpu() && t.dtype() == candle_core::DType::F32;
-    if on_cpu_f32(hidden) && on_cpu_f32(weight) {
+    if hidden.device().is_cpu()
+        && hidden.dtype() == candle_core::DType::F32
+        && weight.dtype() == hidden.dtype()
+    {
         let op = HeadCrossEntropyOp {
             labels: labels.into(),
             left_for_backward: Mutex::new(None),
@@ -65,9 +64,7 @@ impl HeadCrossEntropyOp {
         (vocab, k): (usize, usize),
     ) -> candle_core::Result<(Vec<f32>, f32)> {
         let rows = x.count;
-        let xs = Strided::matrix(x.values, 0, 0, (rows, k), (x.stride, 1))?;
-        let wt = Strided::matrix(w, 0, 0, (vocab, k), (k, 1))?.t();
-        let mut probs = gemm_new(&xs, &wt, (rows, k, vocab), 1.0, split_for(rows * k * vocab));
+        let mut probs = product(x, w, (vocab, k))?;
         let losses: Vec<AtomicU32> = (0..rows).map(|_| AtomicU32::new(0)).collect();
         crate::team::chunks_in_parallel(&mut probs, vocab.max(1), |i, row| {
             let label = self.labels[i] as usize;
@@ -134,11 +131,7 @@ impl CustomOp2 for HeadCrossEntropyOp {
         // d(mean loss)/d(logits) = (softmax - onehot) / rows, times the loss's own gradient.
         let scale = grad / rows.max(1) as f32;
         let ps = Strided::matrix(&probs, 0, 0, (rows, vocab), (vocab, 1))?;
-        let xs = Strided::matrix(x_rows.values, 0, 0, (rows, k), (x_rows.stride, 1))?;
-        let ws = Strided::matrix(w_values, 0, 0, (vocab, k), (k, 1))?;
-        let split = split_for(rows * vocab * k);
-        let d_x = gemm_new(&ps, &ws, (rows, vocab, k), scale, split);
-        let d_w = gemm_new(&ps.t(), &xs, (vocab, rows, k), scale, split);
+        let (d_x, d_w) = product_grads(&ps, &x_rows, w_values, (vocab, k), scale)?;
         let d_x = Tensor::from_vec(d_x, x.shape(), x.device())?;
         let d_w = Tensor::from_vec(d_w, (vocab, k), w.device())?;
         Ok((Some(d_x), Some(d_w)))

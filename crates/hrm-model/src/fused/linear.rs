@@ -28,6 +28,41 @@ pub(super) fn operands<'a>(
     Ok((x, (n, k)))
 }
 
+/// `x · wᵀ` of checked [`operands`], `x.count × n` values.
+pub(super) fn product(
+    x: &Rows,
+    w: &[f32],
+    (n, k): (usize, usize),
+) -> candle_core::Result<Vec<f32>> {
+    let xs = Strided::matrix(x.values, 0, 0, (x.count, k), (x.stride, 1))?;
+    let wt = Strided::matrix(w, 0, 0, (n, k), (k, 1))?.t();
+    Ok(gemm_new(
+        &xs,
+        &wt,
+        (x.count, k, n),
+        1.0,
+        split_for(x.count * k * n),
+    ))
+}
+
+/// The gradients of `x · wᵀ` for `x` and for `w`, `scale · g · w` and `scale · gᵀ · x`, from the
+/// output's gradient `g` (`x.count × n`).
+pub(super) fn product_grads(
+    g: &Strided,
+    x: &Rows,
+    w: &[f32],
+    (n, k): (usize, usize),
+    scale: f32,
+) -> candle_core::Result<(Vec<f32>, Vec<f32>)> {
+    let rows = x.count;
+    let xs = Strided::matrix(x.values, 0, 0, (rows, k), (x.stride, 1))?;
+    let ws = Strided::matrix(w, 0, 0, (n, k), (k, 1))?;
+    let split = split_for(rows * n * k);
+    let d_x = gemm_new(g, &ws, (rows, n, k), scale, split);
+    let d_w = gemm_new(&g.t(), &xs, (n, rows, k), scale, split);
+    Ok((d_x, d_w))
+}
+
 impl CustomOp2 for LinearOp {
     fn name(&self) -> &'static str {
         "fused-linear"
@@ -41,10 +76,7 @@ impl CustomOp2 for LinearOp {
         w_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (x, (n, k)) = operands(x_storage, x_layout, w_layout)?;
-        let w = values(w_storage, w_layout)?;
-        let xs = Strided::matrix(x.values, 0, 0, (x.count, k), (x.stride, 1))?;
-        let wt = Strided::matrix(w, 0, 0, (n, k), (k, 1))?.t();
-        let out = gemm_new(&xs, &wt, (x.count, k, n), 1.0, split_for(x.count * k * n));
+        let out = product(&x, values(w_storage, w_layout)?, (n, k))?;
         let mut dims = x_layout.dims().to_vec();
         *dims.last_mut().expect("rows have a last dimension") = n;
         Ok((CpuStorage::F32(out), Shape::from(dims)))
@@ -67,13 +99,8 @@ impl CustomOp2 for LinearOp {
         if g.width != n || g.count != x_rows.count {
             return Err(error("linear: gradient of the wrong shape"));
         }
-        let rows = g.count;
-        let gs = Strided::matrix(g.values, 0, 0, (rows, n), (g.stride, 1))?;
-        let xs = Strided::matrix(x_rows.values, 0, 0, (rows, k), (x_rows.stride, 1))?;
-        let ws = Strided::matrix(w_values, 0, 0, (n, k), (k, 1))?;
-        let split = split_for(rows * n * k);
-        let d_x = gemm_new(&gs, &ws, (rows, n, k), 1.0, split);
-        let d_w = gemm_new(&gs.t(), &xs, (n, rows, k), 1.0, split);
+        let gs = Strided::matrix(g.values, 0, 0, (g.count, n), (g.stride, 1))?;
+        let (d_x, d_w) = product_grads(&gs, &x_rows, w_values, (n, k), 1.0)?;
         let d_x = Tensor::from_vec(d_x, x.shape(), x.device())?;
         let d_w = Tensor::from_vec(d_w, (n, k), w.device())?;
         Ok((Some(d_x), Some(d_w)))
