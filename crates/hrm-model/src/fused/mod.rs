@@ -1054,20 +1054,13 @@ unsafe fn gemm_at(
             // `start` exist because `Strided::matrix` checked the whole operands.
             unsafe {
                 let dst = dst.ptr();
-                if as_columns {
-                    let a = a.rows_from(start);
-                    gemm_block_as_columns(dst.add(start * n), n, &a, b, (len, k, n), scale);
-                } else if by_rows {
-                    let a = a.rows_from(start);
-                    gemm_block(
-                        dst.add(start * n),
-                        (n, 1),
-                        &a,
-                        b,
-                        (len, k, n),
-                        scale,
-                        accumulate,
-                    );
+                if by_rows {
+                    let (a, dst) = (a.rows_from(start), dst.add(start * n));
+                    if as_columns {
+                        gemm_block_as_columns(dst, n, &a, b, (len, k, n), scale);
+                    } else {
+                        gemm_block(dst, (n, 1), &a, b, (len, k, n), scale, accumulate);
+                    }
                 } else {
                     let b = b.columns_from(start);
                     gemm_block(
@@ -1148,8 +1141,9 @@ unsafe fn gemm_block(
 /// gemm turns a product with a row-major output around (`outᵀ = bᵀ · aᵀ`), because its
 /// microkernel writes columns; `bᵀ` then becomes its left operand, which it copies into
 /// panels on every call. For `x · wᵀ` that is the weight, `n × k`, and the copy is one scalar
-/// load per value when the weight is row-major (`b`'s row stride 1): on an Intel Xeon 17% of
-/// a 128-token prefill's samples went to it. Written column-major, the output leaves the
+/// load per value when the weight is row-major (`b`'s row stride 1): on an Intel Xeon (family
+/// 6 model 207) 17% of a batch-1, 128-token prefill's samples went to it. Only the team's
+/// split takes this path: the serial products (attention's) were not measured with it. Written column-major, the output leaves the
 /// product the right way round, so gemm copies `a`, `m × k`, instead; moving the block into
 /// place costs `m × n` more. Every value is the same sum over `k` in the same order either way.
 fn packs_fewer_as_columns(b: &Strided, (m, k, n): (usize, usize, usize)) -> bool {

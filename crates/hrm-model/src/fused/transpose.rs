@@ -43,7 +43,7 @@ unsafe fn scalar(
 ) {
     for i in rows {
         for j in columns.clone() {
-            // SAFETY: the caller vouches for row `i`'s `n` values at `dst + i · ld`.
+            // SAFETY: the caller vouches for element `(i, j)` at `dst + i · ld + j`.
             unsafe { *dst.add(i * ld + j) = block[j * m + i] };
         }
     }
