@@ -93,8 +93,10 @@ fn init_logging(default_level: &str) {
     // HRM_LOG takes a full tracing filter (e.g. "info,hrm_serve=debug") and wins over the level.
     let filter = tracing_subscriber::EnvFilter::try_from_env("HRM_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    // Colour codes only on a terminal: logs sent to a file or a pipe stay plain text.
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .init();
 }
