@@ -688,9 +688,9 @@ def md_gap(r):
         "token), a profile put the time in candle 0.11's Q4_1 × Q8_1 dot product, which is scalar code, "
         "and, for prefill, in dequantising every matrix to f32 on each call. The fix is our own "
         "quantised matmul (`crates/hrm-model/src/quant_matmul.rs`, Q4_1 and Q8_0, AVX2 with a scalar "
-        "fallback that gives the same bits): it reads the weights in place, multiplies 8-bit "
-        "activation blocks in exact integer arithmetic and unpacks each weight block once for several "
-        f"rows, so it serves prefill too. Before: {r['before']}. Each binary ran twice, alternately; "
+        "fallback that gives the same bits): it repacks the weights once at load, multiplies 8-bit "
+        "activation blocks in exact integer arithmetic and unpacks each pair of weight blocks once for "
+        f"several rows, so it serves prefill too. Before: {r['before']}. Each binary ran twice, alternately; "
         "the better run of each is shown.",
         ["prompt_tokens", "batch"], "before", "after", over="after")
 

@@ -7,21 +7,24 @@
 //! backward pass ([`crate::fused`]) on the CPU in f32 and the composed form elsewhere, so
 //! training and inference share the same model code.
 
-use candle_core::quantized::QMatMul;
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{D, DType, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 
 use crate::cache::{ForwardBatch, softmax_last_dim};
 use crate::moe::MoeMlp;
+use crate::quant_matmul::QuantMatrix;
 
 /// A bias-free linear projection, dense or GGUF-quantised. Q4_1 and Q8_0 projections on the CPU
-/// use the kernel in `quant_matmul.rs` for every pass; dense f32 ones on the CPU the kernel in
-/// `decode_matmul.rs` for decode steps and [`crate::fused::linear`] (gemm, cut over the thread
-/// team) for every other pass; everything else uses candle's.
+/// are repacked at load for the kernel in `quant_matmul.rs`, which serves every pass; dense f32
+/// ones on the CPU use the kernel in `decode_matmul.rs` for decode steps and
+/// [`crate::fused::linear`] (gemm, cut over the thread team) for every other pass; everything
+/// else uses candle's.
 #[derive(Clone, Debug)]
 pub enum Linear {
     Dense(candle_nn::Linear),
     Quantized(QMatMul),
+    Repacked(std::sync::Arc<QuantMatrix>),
 }
 
 impl Linear {
@@ -29,11 +32,22 @@ impl Linear {
         Ok(Self::Dense(candle_nn::linear_no_bias(in_dim, out_dim, vb)?))
     }
 
+    /// A GGUF weight `[out, in]`: repacked for our kernel where it has one, else candle's.
+    pub fn quantized(weight: QTensor) -> Result<Self> {
+        if crate::quant_matmul::repacks(&weight) {
+            Ok(Self::Repacked(std::sync::Arc::new(
+                QuantMatrix::from_qtensor(&weight)?,
+            )))
+        } else {
+            Ok(Self::Quantized(QMatMul::from_qtensor(weight)?))
+        }
+    }
+
     /// The weight `[out, in]` of a dense projection.
     pub fn dense_weight(&self) -> Option<&Tensor> {
         match self {
             Self::Dense(l) => Some(l.weight()),
-            Self::Quantized(_) => None,
+            Self::Quantized(_) | Self::Repacked(_) => None,
         }
     }
 
@@ -42,6 +56,7 @@ impl Linear {
         match self {
             Self::Dense(l) => l.weight().elem_count() * l.weight().dtype().size_in_bytes(),
             Self::Quantized(QMatMul::QTensor(q)) => q.storage_size_in_bytes(),
+            Self::Repacked(q) => q.storage_bytes(),
             Self::Quantized(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
                 t.elem_count() * t.dtype().size_in_bytes()
             }
@@ -72,9 +87,7 @@ impl Module for Linear {
                 crate::decode_matmul::forward(l.weight(), x)
             }
             Self::Dense(l) => crate::fused::linear(x, l.weight()),
-            Self::Quantized(QMatMul::QTensor(q)) if crate::quant_matmul::applies(q, x) => {
-                crate::quant_matmul::forward(q, x)
-            }
+            Self::Repacked(q) => q.forward(x),
             Self::Quantized(QMatMul::QTensor(q)) if dequantize_for(x)? => {
                 let w = q.dequantize(x.device())?;
                 candle_nn::Linear::new(w, None)

@@ -4,7 +4,7 @@
 //! GGUF stores the q and k rows permuted for llama.cpp's interleaved rotary pairs, so GGUF models
 //! use [`RopeLayout::Interleaved`] on the stored weights instead of un-permuting them.
 
-use candle_core::quantized::{QMatMul, QTensor, ggml_file, gguf_file};
+use candle_core::quantized::{QTensor, ggml_file, gguf_file};
 use candle_core::{DType, Device, Module, Result, Tensor};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
@@ -240,8 +240,7 @@ impl Llama {
         let mut layers = Vec::with_capacity(layers_n);
         for i in 0..layers_n {
             let mut q = |suffix: &str| tensor(&format!("blk.{i}.{suffix}.weight"));
-            let linear =
-                |t: QTensor| -> Result<Linear> { Ok(Linear::Quantized(QMatMul::from_qtensor(t)?)) };
+            let linear = Linear::quantized;
             let (wq, wk, wv) = (q("attn_q")?, q("attn_k")?, q("attn_v")?);
             let input = match stack_rows(&[&wq, &wk, &wv], device)? {
                 Some(qkv) => AttnInput::FusedQkv(linear(qkv)?),
@@ -283,11 +282,11 @@ impl Llama {
             device,
         )?;
         let tied = !content.tensor_infos.contains_key("output.weight");
-        let lm_head = Linear::Quantized(QMatMul::from_qtensor(if tied {
+        let lm_head = Linear::quantized(if tied {
             tensor("token_embd.weight")?
         } else {
             tensor("output.weight")?
-        })?);
+        })?;
         let rotary = Rotary::new(head_dim, theta, RopeLayout::Interleaved, device)?;
         let config = LlamaConfig {
             model_type: "llama".into(),
@@ -434,7 +433,7 @@ impl CausalLm for Llama {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::quantized::GgmlDType;
+    use candle_core::quantized::{GgmlDType, QMatMul};
     use candle_core::{Device, Module, Tensor};
 
     use super::*;
