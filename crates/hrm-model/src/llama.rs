@@ -240,26 +240,25 @@ impl Llama {
         let mut layers = Vec::with_capacity(layers_n);
         for i in 0..layers_n {
             let mut q = |suffix: &str| tensor(&format!("blk.{i}.{suffix}.weight"));
-            let linear = Linear::quantized;
             let (wq, wk, wv) = (q("attn_q")?, q("attn_k")?, q("attn_v")?);
             let input = match stack_rows(&[&wq, &wk, &wv], device)? {
-                Some(qkv) => AttnInput::FusedQkv(linear(qkv)?),
+                Some(qkv) => AttnInput::FusedQkv(Linear::quantized(qkv)?),
                 None => AttnInput::Split {
-                    q: linear(wq)?,
-                    k: linear(wk)?,
-                    v: linear(wv)?,
+                    q: Linear::quantized(wq)?,
+                    k: Linear::quantized(wk)?,
+                    v: Linear::quantized(wv)?,
                 },
             };
-            let o_proj = linear(q("attn_output")?)?;
+            let o_proj = Linear::quantized(q("attn_output")?)?;
             let (gate, up) = (q("ffn_gate")?, q("ffn_up")?);
             let gate_up = match stack_rows(&[&gate, &up], device)? {
-                Some(both) => GateUp::Fused(linear(both)?),
+                Some(both) => GateUp::Fused(Linear::quantized(both)?),
                 None => GateUp::Split {
-                    gate: linear(gate)?,
-                    up: linear(up)?,
+                    gate: Linear::quantized(gate)?,
+                    up: Linear::quantized(up)?,
                 },
             };
-            let down = linear(q("ffn_down")?)?;
+            let down = Linear::quantized(q("ffn_down")?)?;
             let attn_norm = tensor(&format!("blk.{i}.attn_norm.weight"))?.dequantize(device)?;
             let ffn_norm = tensor(&format!("blk.{i}.ffn_norm.weight"))?.dequantize(device)?;
             layers.push(DecoderLayer {
@@ -281,9 +280,10 @@ impl Llama {
             eps,
             device,
         )?;
+        // A tied head reuses the embedding's quantised copy rather than reading it again.
         let tied = !content.tensor_infos.contains_key("output.weight");
         let lm_head = Linear::quantized(if tied {
-            tensor("token_embd.weight")?
+            embed_q
         } else {
             tensor("output.weight")?
         })?;

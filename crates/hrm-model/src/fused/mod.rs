@@ -1142,10 +1142,11 @@ unsafe fn gemm_block(
 /// microkernel writes columns; `bᵀ` then becomes its left operand, which it copies into
 /// panels on every call. For `x · wᵀ` that is the weight, `n × k`, and the copy is one scalar
 /// load per value when the weight is row-major (`b`'s row stride 1): on an Intel Xeon (family
-/// 6 model 207) 17% of a batch-1, 128-token prefill's samples went to it. Only the team's
-/// split takes this path: the serial products (attention's) were not measured with it. Written column-major, the output leaves the
-/// product the right way round, so gemm copies `a`, `m × k`, instead; moving the block into
-/// place costs `m × n` more. Every value is the same sum over `k` in the same order either way.
+/// 6 model 207) 17% of a batch-1, 128-token prefill's samples went to it. Written column-major,
+/// the output leaves the product the right way round, so gemm copies `a`, `m × k`, instead;
+/// moving the block into place costs `m × n` more. Every value is the same sum over `k` in the
+/// same order either way. Only the team's split takes this path: the serial products
+/// (attention's) were not measured with it.
 fn packs_fewer_as_columns(b: &Strided, (m, k, n): (usize, usize, usize)) -> bool {
     b.rs == 1 && b.cs != 1 && m * (k + n) < n * k
 }
