@@ -11,7 +11,7 @@
 //! uncontended lock, or set-once slots; none of it needs `unsafe`.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
 
 /// Columns that [`columns_in_parallel`] moves into the output together: a 64-byte line of
@@ -27,14 +27,7 @@ pub(crate) fn columns_in_parallel(
     fill: impl Fn(Range<usize>, &mut [f32]) + Sync,
 ) -> Vec<f32> {
     if rows == 1 {
-        // A single row's block is its own slice of the output (a batch-1 decode step's
-        // product): each thread fills that slice in place, with nothing to copy or scatter.
-        let mut out = vec![0f32; n];
-        let len = n.div_ceil(candle_core::utils::barrier_pool().n_workers() + 1);
-        chunks_in_parallel(&mut out, len, |c, chunk| {
-            fill(c * len..c * len + chunk.len(), chunk)
-        });
-        return out;
+        return row_in_parallel(n, fill);
     }
     let dst = zeroed(rows * n);
     candle_core::utils::barrier_pool().execute_chunked(n, |range| {
@@ -54,6 +47,91 @@ pub(crate) fn columns_in_parallel(
         }
     });
     into_values(dst)
+}
+
+/// One row of `n` outputs (a batch-1 decode step's product), filled in place: each thread owns
+/// an equal run of [`GRAINS_PER_THREAD`] grains and fills them front to back, so its weights
+/// stream in order; a thread done with its own run takes grains from the back of another's.
+/// Static halves left one thread waiting for the other at every product, in either direction,
+/// as the two cores' speeds wandered (docs/performance.md measures it), and handing grains out
+/// from one shared cursor instead cut each thread's stream into pieces and measured slower.
+fn row_in_parallel(n: usize, fill: impl Fn(Range<usize>, &mut [f32]) + Sync) -> Vec<f32> {
+    let mut out = vec![0f32; n];
+    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
+    let grain = n.div_ceil(threads * GRAINS_PER_THREAD).max(1);
+    // Each grain is claimed exactly once, so its lock is never contended: it only hands the
+    // claimant its slice of the output.
+    let grains: Vec<Mutex<&mut [f32]>> = out.chunks_mut(grain).map(Mutex::new).collect();
+    let runs: Vec<Run> = (0..threads)
+        .map(|t| Run::new(t * grains.len() / threads, (t + 1) * grains.len() / threads))
+        .collect();
+    let fill_grain = |g: usize| {
+        let mut slice = grains[g].lock().unwrap_or_else(PoisonError::into_inner);
+        fill(g * grain..g * grain + slice.len(), &mut slice);
+    };
+    // One item per run: whichever thread takes an item works that run from the front, then
+    // helps the others from their backs. A thread that takes two items (its partner started
+    // late) works both, and nested calls run every item on the calling thread.
+    candle_core::utils::barrier_pool().execute_chunked(threads, |items| {
+        for own in items {
+            while let Some(g) = runs[own].take_front() {
+                fill_grain(g);
+            }
+            for other in (1..threads).map(|o| (own + o) % threads) {
+                while let Some(g) = runs[other].take_back() {
+                    fill_grain(g);
+                }
+            }
+        }
+    });
+    drop(grains);
+    out
+}
+
+/// Grains per thread in [`row_in_parallel`]: enough that the last one taken is a small part of
+/// a thread's share, few enough that the claims cost nothing next to the products.
+const GRAINS_PER_THREAD: usize = 8;
+
+/// The unclaimed grains `lo..hi` of one thread's run, packed in one atomic so that its owner
+/// (from the front) and a helper (from the back) never both claim the last one. Each run has a
+/// line pair of its own: two owners claiming their grains side by side in one line would pass
+/// it from core to core at every claim.
+#[repr(align(128))]
+struct Run(AtomicU64);
+
+impl Run {
+    fn new(lo: usize, hi: usize) -> Self {
+        Self(AtomicU64::new(((lo as u64) << 32) | hi as u64))
+    }
+
+    fn take_front(&self) -> Option<usize> {
+        self.take(|lo, hi| (lo, (lo + 1, hi)))
+    }
+
+    fn take_back(&self) -> Option<usize> {
+        self.take(|lo, hi| (hi - 1, (lo, hi - 1)))
+    }
+
+    /// Claims the grain that `pick(lo, hi)` names, leaving the range it returns.
+    fn take(&self, pick: impl Fn(u64, u64) -> (u64, (u64, u64))) -> Option<usize> {
+        let mut current = self.0.load(Ordering::Acquire);
+        loop {
+            let (lo, hi) = (current >> 32, current & u64::from(u32::MAX));
+            if lo >= hi {
+                return None;
+            }
+            let (grain, (lo, hi)) = pick(lo, hi);
+            match self.0.compare_exchange_weak(
+                current,
+                (lo << 32) | hi,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Some(grain as usize),
+                Err(seen) => current = seen,
+            }
+        }
+    }
 }
 
 /// `fill(i, chunk)` over the `len`-value chunks of `out` (the last may be shorter), in
@@ -151,5 +229,44 @@ mod tests {
         assert!(out.iter().enumerate().all(|(e, v)| *v == e as f32));
         let made = map_in_parallel(1000, |i| i * 3);
         assert!(made.iter().enumerate().all(|(i, v)| *v == i * 3));
+    }
+
+    #[test]
+    fn a_rows_grains_are_each_filled_once() {
+        for n in [1, 7, 16, 1000, 49_152] {
+            let calls: Vec<AtomicU32> = zeroed(n);
+            let out = row_in_parallel(n, |columns, slice| {
+                assert_eq!(slice.len(), columns.len());
+                for (j, v) in columns.zip(slice.iter_mut()) {
+                    calls[j].fetch_add(1, Ordering::Relaxed);
+                    *v = j as f32;
+                }
+            });
+            assert!(out.iter().enumerate().all(|(j, v)| *v == j as f32), "{n}");
+            assert!(calls.iter().all(|c| c.load(Ordering::Relaxed) == 1), "{n}");
+        }
+    }
+
+    #[test]
+    fn a_run_gives_each_grain_to_one_claimant() {
+        let run = Run::new(3, 11);
+        let mut claimed = Vec::new();
+        while let (Some(front), back) = (run.take_front(), run.take_back()) {
+            claimed.push(front);
+            claimed.extend(back);
+        }
+        assert_eq!(run.take_back(), None);
+        claimed.sort_unstable();
+        assert_eq!(claimed, (3..11).collect::<Vec<_>>());
+        // Two threads draining one run from both ends share it out exactly.
+        let run = Run::new(0, 100_000);
+        let (front, back) = std::thread::scope(|s| {
+            let front = s.spawn(|| std::iter::from_fn(|| run.take_front()).collect::<Vec<_>>());
+            let back = std::iter::from_fn(|| run.take_back()).collect::<Vec<_>>();
+            (front.join().unwrap(), back)
+        });
+        let mut all: Vec<usize> = front.into_iter().chain(back).collect();
+        all.sort_unstable();
+        assert_eq!(all, (0..100_000).collect::<Vec<_>>());
     }
 }
