@@ -146,8 +146,17 @@ fn attend_part(
     let mut score_store = [0f32; PART];
     let scores = &mut score_store[..n];
     let tile = kernel.row_tile();
-    for (q, partial) in queries.chunks_exact(d).zip(partial.chunks_exact_mut(d + 2)) {
-        for (rows, scores) in rows.chunks(tile).zip(scores.chunks_mut(tile)) {
+    for (head, (q, partial)) in queries
+        .chunks_exact(d)
+        .zip(partial.chunks_exact_mut(d + 2))
+        .enumerate()
+    {
+        for (t, (rows, scores)) in rows.chunks(tile).zip(scores.chunks_mut(tile)).enumerate() {
+            if head == 0 {
+                // The values this tile's scores will weight, asked for while the first query
+                // scores the keys: their misses overlap the keys' instead of following them.
+                prefetch(&values[t * tile * d..][..rows.len() * d]);
+            }
             kernel.dots(q, Read::Cached, rows, scores);
         }
         scores.iter_mut().for_each(|s| *s *= scale);
@@ -156,6 +165,18 @@ fn attend_part(
         stats.copy_from_slice(&[max, total]);
         kernel.weighted_rows(scores, values, acc);
     }
+}
+
+/// Asks for every line of `block`.
+fn prefetch(block: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in block.chunks(16) {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        // SAFETY: SSE is in every x86_64 CPU, and a prefetch is a hint that never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = block;
 }
 
 /// One head's output from its parts' `[max, total, weighted sum]`: each part rescaled to the
