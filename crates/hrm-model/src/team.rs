@@ -30,7 +30,9 @@ pub(crate) fn columns_in_parallel(
         return row_in_parallel(n, fill);
     }
     let dst = zeroed(rows * n);
-    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+    let grain = n.div_ceil(threads() * GRAINS_PER_THREAD).max(1);
+    grains_in_parallel(n.div_ceil(grain), |g| {
+        let range = g * grain..n.min((g + 1) * grain);
         let mut block = vec![0f32; range.len() * rows];
         fill(range.clone(), &mut block);
         // Transposed a few columns at a time, row by row: output rows lie `n` values apart, so
@@ -49,47 +51,57 @@ pub(crate) fn columns_in_parallel(
     into_values(dst)
 }
 
-/// One row of `n` outputs (a batch-1 decode step's product), filled in place: each thread owns
-/// an equal run of [`GRAINS_PER_THREAD`] grains and fills them front to back, so its weights
-/// stream in order; a thread done with its own run takes grains from the back of another's.
-/// Static halves left one thread waiting for the other at every product, in either direction,
-/// as the two cores' speeds wandered (docs/performance.md measures it), and handing grains out
-/// from one shared cursor instead cut each thread's stream into pieces and measured slower.
+/// One row of `n` outputs (a batch-1 decode step's product), each thread filling its grains'
+/// slices of the output in place, with nothing to copy or scatter.
 fn row_in_parallel(n: usize, fill: impl Fn(Range<usize>, &mut [f32]) + Sync) -> Vec<f32> {
     let mut out = vec![0f32; n];
-    let threads = candle_core::utils::barrier_pool().n_workers() + 1;
-    let grain = n.div_ceil(threads * GRAINS_PER_THREAD).max(1);
+    let grain = n.div_ceil(threads() * GRAINS_PER_THREAD).max(1);
     // Each grain is claimed exactly once, so its lock is never contended: it only hands the
     // claimant its slice of the output.
     let grains: Vec<Mutex<&mut [f32]>> = out.chunks_mut(grain).map(Mutex::new).collect();
-    let runs: Vec<Run> = (0..threads)
-        .map(|t| Run::new(t * grains.len() / threads, (t + 1) * grains.len() / threads))
-        .collect();
-    let fill_grain = |g: usize| {
+    grains_in_parallel(grains.len(), |g| {
         let mut slice = grains[g].lock().unwrap_or_else(PoisonError::into_inner);
         fill(g * grain..g * grain + slice.len(), &mut slice);
-    };
+    });
+    drop(grains);
+    out
+}
+
+/// `work(g)` once for every grain `g` in `0..count`, in parallel: each thread owns an equal run
+/// of consecutive grains and works it front to back, so a product's weights stream in order on
+/// every thread; a thread done with its own run takes grains from the back of another's. Static
+/// halves left one thread waiting for the other at every product, in either direction, as the
+/// two cores' speeds wandered, and handing grains out from one shared cursor (candle's way)
+/// cut each thread's stream into pieces (docs/performance.md measures both).
+fn grains_in_parallel(count: usize, work: impl Fn(usize) + Sync) {
+    let threads = threads();
+    let runs: Vec<Run> = (0..threads)
+        .map(|t| Run::new(t * count / threads, (t + 1) * count / threads))
+        .collect();
     // One item per run: whichever thread takes an item works that run from the front, then
     // helps the others from their backs. A thread that takes two items (its partner started
     // late) works both, and nested calls run every item on the calling thread.
     candle_core::utils::barrier_pool().execute_chunked(threads, |items| {
         for own in items {
             while let Some(g) = runs[own].take_front() {
-                fill_grain(g);
+                work(g);
             }
             for other in (1..threads).map(|o| (own + o) % threads) {
                 while let Some(g) = runs[other].take_back() {
-                    fill_grain(g);
+                    work(g);
                 }
             }
         }
     });
-    drop(grains);
-    out
 }
 
-/// Grains per thread in [`row_in_parallel`]: enough that the last one taken is a small part of
-/// a thread's share, few enough that the claims cost nothing next to the products.
+/// The team's threads, the calling thread included.
+fn threads() -> usize {
+    candle_core::utils::barrier_pool().n_workers() + 1
+}
+
+/// Grains per thread in [`grains_in_parallel`]: enough that the last one taken is a small part
+/// of a thread's share, few enough that the claims cost nothing next to the products.
 const GRAINS_PER_THREAD: usize = 8;
 
 /// The unclaimed grains `lo..hi` of one thread's run, packed in one atomic so that its owner
