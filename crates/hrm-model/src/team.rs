@@ -6,6 +6,10 @@
 //! gemm's parallel mode, which is rayon's), so that no two pools compete for the cores between
 //! one op and the next.
 //!
+//! A product's columns go out in grains ([`grains_in_parallel`]): each thread works a run of
+//! consecutive grains in order, so its weights stream, and then helps from the back of another
+//! thread's run; a compare-and-swap on the run's bounds gives every grain to exactly one thread.
+//!
 //! Workers finish their parts in any order. They write disjoint elements of one output through
 //! relaxed atomics (a plain store on x86), disjoint runs of chunks each behind its own
 //! uncontended lock, or set-once slots; none of it needs `unsafe`.
