@@ -300,13 +300,20 @@ struct ActBlock {
     qs: [i8; QK],
 }
 
+/// A pair of activation blocks' quants (module doc), on a cache line of its own: the kernels
+/// load each half as one 32-byte vector per weight row, and at the allocator's 16-byte
+/// alignment up to one in two of those loads would cross two cache lines.
+#[derive(Clone, Copy)]
+#[repr(align(64))]
+struct ActPair([i8; 64]);
+
 /// Every activation row quantised, in the pair layout of the module doc. Scales and sums are
 /// padded with zeros to whole groups of [`SCALE_GROUP`] blocks, and a half pair with zero
 /// quants.
 struct Activations {
     pairs: usize,
     padded: usize,
-    qs: Vec<[i8; 64]>,
+    qs: Vec<ActPair>,
     d: Vec<f32>,
     s: Vec<f32>,
 }
@@ -318,14 +325,14 @@ impl Activations {
         let mut acts = Self {
             pairs,
             padded,
-            qs: vec![[0; 64]; rows * pairs],
+            qs: vec![ActPair([0; 64]); rows * pairs],
             d: vec![0.0; rows * padded],
             s: vec![0.0; rows * padded],
         };
         for (i, row) in x.chunks_exact(nb * QK).enumerate() {
             for (b, block) in row.as_chunks::<QK>().0.iter().enumerate() {
                 let q = kernel.quantize(block);
-                let pair = &mut acts.qs[i * pairs + b / 2];
+                let pair = &mut acts.qs[i * pairs + b / 2].0;
                 let h = b % 2;
                 pair[16 * h..16 * h + 16].copy_from_slice(&q.qs[..16]);
                 pair[32 + 16 * h..32 + 16 * h + 16].copy_from_slice(&q.qs[16..]);
@@ -348,7 +355,7 @@ impl Activations {
 /// One activation row of [`Activations`].
 #[derive(Clone, Copy)]
 struct ActRow<'a> {
-    qs: &'a [[i8; 64]],
+    qs: &'a [ActPair],
     d: &'a [f32],
     s: &'a [f32],
 }
@@ -392,7 +399,7 @@ fn dot_scalar(layout: RowLayout, w: &[u8], x: ActRow) -> f32 {
                 Format::Q8_0 => i32::from(pair[32 * (j / 16) + 16 * h + j % 16] as i8),
             }
         };
-        let act = |j: usize| i32::from(x.qs[p][32 * (j / 16) + 16 * h + j % 16]);
+        let act = |j: usize| i32::from(x.qs[p].0[32 * (j / 16) + 16 * h + j % 16]);
         let dd = half(scales + 2 * b) * x.d[b];
         for l in 0..4 {
             let sum: i32 = (4 * l..4 * l + 4)
@@ -701,7 +708,7 @@ macro_rules! byte_dot_kernel {
                             );
                             let (weights, signed) = unpack::<Q4_1>(pair);
                             for r in 0..R {
-                                let qs = &xs[r].qs[p];
+                                let qs = &xs[r].qs[p].0;
                                 // SAFETY: an activation pair holds the 64 bytes read.
                                 let x: [__m256i; 2] = std::array::from_fn(|h| unsafe {
                                     _mm256_loadu_si256(qs[32 * h..32 * h + 32].as_ptr().cast())
