@@ -100,9 +100,9 @@ struct Line([f32; 16]);
 /// The kernels read every activation row once per weight row, from L1, in whole vectors. The
 /// allocator aligns candle's buffers to 16 bytes only; a row 16 bytes past a cache line makes
 /// every AVX-512 load (and every other AVX2 load) cross into the next line, and such a load
-/// costs two of the core's loads: on an Intel Xeon (family 6 model 207) the batch-8 AVX-512 kernel with its operands in
-/// L1 ran at 23.6 against 50.2 GMAC/s on one thread, off the line against on it (`k` = 768). The
-/// copy is `rows × k` values against the weights' `out × k`.
+/// costs two of the core's loads: on an Intel Xeon (family 6 model 207) the batch-8 AVX-512
+/// kernel with its operands in L1 ran at 23.6 against 50.2 GMAC/s on one thread, off the line
+/// against on it (`k` = 768). The copy is `rows × k` values against the weights' `out × k`.
 struct LineAlignedRows {
     lines: Vec<Line>,
     /// Values from one row's start to the next's: `k` rounded up to whole lines.
