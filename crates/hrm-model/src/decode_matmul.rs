@@ -105,42 +105,31 @@ struct Line([f32; 16]);
 /// against on it (`k` = 768). The copy is `rows × k` values against the weights' `out × k`.
 struct LineAlignedRows {
     lines: Vec<Line>,
-    /// Values from one row's start to the next's: `k` rounded up to whole lines.
-    stride: usize,
+    /// Values per row; each row takes `k` rounded up to whole lines.
     k: usize,
 }
 
 impl LineAlignedRows {
     fn new(x: &[f32], k: usize) -> Self {
+        assert!(k > 0, "aligned rows: rows of no values");
         let per_row = k.div_ceil(16);
-        let mut lines = vec![Line([0.0; 16]); x.len() / k.max(1) * per_row];
-        for (row, x) in lines
-            .chunks_exact_mut(per_row.max(1))
-            .zip(x.chunks_exact(k.max(1)))
-        {
+        let mut lines = vec![Line([0.0; 16]); x.len() / k * per_row];
+        for (row, x) in lines.chunks_exact_mut(per_row).zip(x.chunks_exact(k)) {
             for (line, x) in row.iter_mut().zip(x.chunks(16)) {
                 line.0[..x.len()].copy_from_slice(x);
             }
         }
-        Self {
-            lines,
-            stride: per_row * 16,
-            k,
-        }
+        Self { lines, k }
     }
 
     fn row(&self, i: usize) -> &[f32] {
+        let start = i * self.k.div_ceil(16) * 16;
         let values = self.lines.len() * 16;
-        assert!(i * self.stride + self.k <= values, "aligned rows: row {i}");
+        assert!(start + self.k <= values, "aligned rows: row {i}");
         // SAFETY: `Line` is `repr(C)` around sixteen f32 with no padding (64 bytes, aligned to
         // 64), so the vector's lines are `values` consecutive f32, of which the row's `k` lie
         // inside (checked above); the borrow of `self` keeps them alive and unchanged.
-        unsafe {
-            std::slice::from_raw_parts(
-                self.lines.as_ptr().cast::<f32>().add(i * self.stride),
-                self.k,
-            )
-        }
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast::<f32>().add(start), self.k) }
     }
 }
 
