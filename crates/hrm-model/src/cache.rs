@@ -227,11 +227,7 @@ impl<'c> ForwardBatch<'c> {
         }
         let mut keys = Vec::with_capacity(self.rows.len());
         let mut values = Vec::with_capacity(self.rows.len());
-        for (i, (row, cache)) in self.rows.iter().zip(self.caches.iter_mut()).enumerate() {
-            let new = self.seq_len - row.padding;
-            let k_row = k.narrow(0, i, 1)?.narrow(2, row.padding, new)?;
-            let v_row = v.narrow(0, i, 1)?.narrow(2, row.padding, new)?;
-            let (k_all, v_all) = cache.append(slot, &k_row, &v_row)?;
+        for (k_all, v_all) in self.append(slot, k, v)? {
             let missing = self.kv_len - k_all.dim(2)?;
             keys.push(pad_left(&k_all, missing)?);
             values.push(pad_left(&v_all, missing)?);
@@ -240,6 +236,26 @@ impl<'c> ForwardBatch<'c> {
             return Ok((keys.remove(0), values.remove(0)));
         }
         Ok((Tensor::cat(&keys, 0)?, Tensor::cat(&values, 0)?))
+    }
+
+    /// Appends this pass's keys and values (`[batch, kv_heads, seq_len, head_dim]`, padding
+    /// left out) to every row's cache slot and returns each row's whole slot.
+    pub fn append(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+        let new_rows = self.rows.iter().zip(self.caches.iter_mut()).enumerate();
+        new_rows
+            .map(|(i, (row, cache))| {
+                let new = self.seq_len - row.padding;
+                let k_row = k.narrow(0, i, 1)?.narrow(2, row.padding, new)?;
+                let v_row = v.narrow(0, i, 1)?.narrow(2, row.padding, new)?;
+                cache.append(slot, &k_row, &v_row)
+            })
+            .collect()
+    }
+
+    /// Whether every row attends to this pass's tokens alone: a full pass, or every row's first
+    /// pass (nothing cached yet), so that the mask is `[batch, 1, seq_len, seq_len]`.
+    pub fn sees_only_its_own_tokens(&self) -> bool {
+        self.rows.iter().all(|row| row.past == 0)
     }
 
     /// The attention of a decode step (one new token per row), read in place from each row's

@@ -290,7 +290,7 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, s, _) = x.dims3()?;
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        if let Some(out) = self.training_forward(x, batch, ctx)? {
+        if let Some(out) = self.whole_pass_forward(x, batch, ctx, slot)? {
             return self.o_proj.forward(&out);
         }
         let (gate, q, k, v) = match &self.input {
@@ -339,15 +339,22 @@ impl Attention {
         self.o_proj.forward(&out.reshape((b, s, h * d))?)
     }
 
-    /// A full pass with gradients on the CPU in f32 (training): the attention output `[b, s, h
-    /// · d]` from [`crate::fused::AttentionOp`], which takes the whole input projection in one
-    /// op. `None` for every other pass.
-    fn training_forward(
+    /// Attention over a pass whose rows see only their own tokens (training, scoring, a
+    /// prompt's first pass) on the CPU in f32: the output `[b, s, h · d]` of one
+    /// [`crate::fused::AttentionOp`], which takes the whole input projection and runs every
+    /// (sequence, KV head) on the thread team, with its backward pass where gradients are
+    /// tracked. A first pass also appends its rotated keys and its values to the cache. `None`
+    /// for every other pass, and for separate q, k and v weights outside training.
+    fn whole_pass_forward(
         &self,
         x: &Tensor,
-        batch: &ForwardBatch<'_>,
+        batch: &mut ForwardBatch<'_>,
         ctx: &AttnContext<'_>,
+        slot: usize,
     ) -> Result<Option<Tensor>> {
+        if !x.device().is_cpu() || x.dtype() != DType::F32 || !batch.sees_only_its_own_tokens() {
+            return Ok(None);
+        }
         let tracked = x.track_op()
             || match &self.input {
                 AttnInput::FusedGqkv(Linear::Dense(l)) | AttnInput::FusedQkv(Linear::Dense(l)) => {
@@ -358,28 +365,37 @@ impl Attention {
                 }
                 _ => false,
             };
-        if !tracked || !x.device().is_cpu() || x.dtype() != DType::F32 || !batch.is_full_pass() {
+        if tracked && !batch.is_full_pass() {
             return Ok(None);
         }
         let (proj, gated) = match &self.input {
             AttnInput::FusedGqkv(proj) => (proj.forward(x)?, true),
             AttnInput::FusedQkv(proj) => (proj.forward(x)?, false),
-            AttnInput::Split { q, k, v } => match stacked_for_training(&[q, k, v])? {
+            AttnInput::Split { q, k, v } if tracked => match stacked_for_training(&[q, k, v])? {
                 Some(w) => (crate::fused::linear(x, &w)?, false),
                 None => return Ok(None),
             },
+            AttnInput::Split { .. } => return Ok(None),
         };
+        let proj = proj.contiguous()?;
+        let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        if !batch.is_full_pass() {
+            let (b, s, _) = x.dims3()?;
+            let k_at = if gated { 2 * h * d } else { h * d };
+            let heads = |at: usize| -> Result<Tensor> {
+                proj.narrow(D::Minus1, at, kvh * d)?
+                    .reshape((b, s, kvh, d))?
+                    .transpose(1, 2)
+            };
+            let k = ctx.rotary.apply(&heads(k_at)?, ctx.cos, ctx.sin)?;
+            batch.append(slot, &k, &heads(k_at + kvh * d)?)?;
+        }
         let mask = match &batch.mask {
             Some(mask) => Some(mask.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
             None => None,
         };
-        let op = crate::fused::AttentionOp::new(
-            (self.num_heads, self.num_kv_heads, self.head_dim),
-            gated,
-            ctx.rotary.layout,
-            mask,
-        )?;
-        proj.contiguous()?.apply_op3(ctx.cos, ctx.sin, op).map(Some)
+        let op = crate::fused::AttentionOp::new((h, kvh, d), gated, ctx.rotary.layout, mask)?;
+        proj.apply_op3(ctx.cos, ctx.sin, op).map(Some)
     }
 
     pub fn weight_bytes(&self) -> usize {

@@ -99,6 +99,32 @@ fn stepwise_decoding_matches_transformers() {
     }
 }
 
+/// A prompt's first pass reads no cache and runs attention as one op over its own tokens; a
+/// later pass of several tokens reads the cache through the general path. Both against
+/// transformers.
+#[test]
+fn continuation_of_several_tokens_in_one_pass_matches_transformers() {
+    for name in FIXTURES {
+        let loaded = load(name);
+        let model = loaded.model.as_ref();
+        let exp = expected(name);
+        let mut cache = SeqCache::new(model.info().cache_slots);
+        let (prompt, rest) = exp.input_ids.split_at(exp.prompt_len);
+        assert!(rest.len() > 1, "{name}: the fixture continues its prompt");
+        let block = block_for(model, exp.prompt_len);
+        let first = forward(model, &[prompt.to_vec()], &[block], vec![&mut cache]);
+        let second = forward(model, &[rest.to_vec()], &[0], vec![&mut cache]);
+        assert_eq!(cache.len(), exp.input_ids.len());
+        let logits =
+            Tensor::cat(&[first.squeeze(0).unwrap(), second.squeeze(0).unwrap()], 0).unwrap();
+        let diff = max_abs_diff(&logits, &exp.logits_stepwise);
+        assert!(
+            diff < TOLERANCE,
+            "{name}: prompt then continuation differs from transformers by {diff}"
+        );
+    }
+}
+
 #[test]
 fn prefix_lm_prompt_is_bidirectional() {
     // With prefix_lm, a later prompt token changes the logits at an earlier prompt position;

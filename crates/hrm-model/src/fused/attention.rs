@@ -1,4 +1,9 @@
-//! Attention for training on the CPU as one op with its backward pass.
+//! Attention over a whole pass on the CPU as one op, with its backward pass for training.
+//!
+//! Inference runs the same op, forward only, over every pass whose rows see only their own
+//! tokens (scoring, a prompt's first pass): the composed form's copies (transposes, rotated
+//! queries made contiguous, the scores and probabilities as batch tensors) ran on the calling
+//! thread while the team waited.
 //!
 //! The composed form splits the input projection into gate, q, k and v (narrows whose backward
 //! passes each pad a full-width gradient with zeros, which is then summed), rotates q and k,
@@ -18,7 +23,8 @@
 //!   the gradients of a shared key and value head are summed inside one unit, in a fixed order.
 //! - The forward pass keeps what the backward pass needs (rotated q and k, the probabilities,
 //!   the output before the gate) inside the op, which candle holds in the graph; the backward
-//!   pass takes it, so each op runs backward once (as every graph in training does).
+//!   pass takes it, so each op runs backward once (as every graph in training does). Without
+//!   gradients there is no graph, and the state goes with the op after the forward pass.
 //! - Values and gradients agree with the composed form within f32 rounding (tests, both rotary
 //!   layouts, grouped heads, masks with a bidirectional prefix and padding).
 
