@@ -238,11 +238,18 @@ impl<'c> ForwardBatch<'c> {
         Ok((Tensor::cat(&keys, 0)?, Tensor::cat(&values, 0)?))
     }
 
-    /// Appends this pass's keys and values (`[batch, kv_heads, seq_len, head_dim]`, padding
-    /// left out) to every row's cache slot and returns each row's whole slot.
-    pub fn append(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
-        let new_rows = self.rows.iter().zip(self.caches.iter_mut()).enumerate();
-        new_rows
+    /// Appends this pass's keys and values (`[batch, kv_heads, seq_len, head_dim]`) to every
+    /// row's cache slot, without the row's left padding, and returns each row's whole slot.
+    pub(crate) fn append(
+        &mut self,
+        slot: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<Vec<(Tensor, Tensor)>> {
+        self.rows
+            .iter()
+            .zip(self.caches.iter_mut())
+            .enumerate()
             .map(|(i, (row, cache))| {
                 let new = self.seq_len - row.padding;
                 let k_row = k.narrow(0, i, 1)?.narrow(2, row.padding, new)?;
@@ -254,7 +261,7 @@ impl<'c> ForwardBatch<'c> {
 
     /// Whether every row attends to this pass's tokens alone: a full pass, or every row's first
     /// pass (nothing cached yet), so that the mask is `[batch, 1, seq_len, seq_len]`.
-    pub fn sees_only_its_own_tokens(&self) -> bool {
+    pub(crate) fn sees_only_its_own_tokens(&self) -> bool {
         self.rows.iter().all(|row| row.past == 0)
     }
 
