@@ -7,6 +7,8 @@
 //! attention mask hides padding, future tokens, and, for prefix-LM models, lets the prompt
 //! block attend to itself in both directions.
 
+use std::sync::{Arc, OnceLock};
+
 use candle_core::{D, DType, Device, Result, Tensor};
 
 use crate::Logits;
@@ -124,6 +126,8 @@ pub struct ForwardBatch<'c> {
     caches: Vec<&'c mut SeqCache>,
     seq_len: usize,
     kv_len: usize,
+    /// `mask`'s values in f32 on the host, read once for every attention op of the pass.
+    mask_values: OnceLock<Option<Arc<[f32]>>>,
 }
 
 impl<'c> ForwardBatch<'c> {
@@ -188,6 +192,7 @@ impl<'c> ForwardBatch<'c> {
             caches,
             seq_len,
             kv_len,
+            mask_values: OnceLock::new(),
         })
     }
 
@@ -257,6 +262,24 @@ impl<'c> ForwardBatch<'c> {
                 cache.append(slot, &k_row, &v_row)
             })
             .collect()
+    }
+
+    /// The mask's values in f32, row-major, copied from the mask once per pass (every layer of a
+    /// pass shares the same mask).
+    pub(crate) fn mask_values(&self) -> Result<Option<Arc<[f32]>>> {
+        if let Some(values) = self.mask_values.get() {
+            return Ok(values.clone());
+        }
+        let values = match &self.mask {
+            Some(mask) => Some(
+                mask.flatten_all()?
+                    .to_dtype(DType::F32)?
+                    .to_vec1::<f32>()?
+                    .into(),
+            ),
+            None => None,
+        };
+        Ok(self.mask_values.get_or_init(|| values).clone())
     }
 
     /// Whether every row attends to this pass's tokens alone: a full pass, or every row's first

@@ -380,21 +380,20 @@ impl Attention {
         let proj = proj.contiguous()?;
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         if !batch.is_full_pass() {
-            let (b, s, _) = x.dims3()?;
-            let k_at = if gated { 2 * h * d } else { h * d };
-            let heads = |at: usize| -> Result<Tensor> {
-                proj.narrow(D::Minus1, at, kvh * d)?
-                    .reshape((b, s, kvh, d))?
-                    .transpose(1, 2)
-            };
-            let k = ctx.rotary.apply(&heads(k_at)?, ctx.cos, ctx.sin)?;
-            batch.append(slot, &k, &heads(k_at + kvh * d)?)?;
+            // Views of the projection as `[b, s, heads, d]`: the cache copies each row once.
+            let (b, s, width) = proj.dims3()?;
+            let by_head = proj.reshape((b, s, width / d, d))?;
+            let k_head = if gated { 2 * h } else { h };
+            let heads = |first: usize| by_head.narrow(2, first, kvh)?.transpose(1, 2);
+            let k = ctx.rotary.apply(&heads(k_head)?, ctx.cos, ctx.sin)?;
+            batch.append(slot, &k, &heads(k_head + kvh)?)?;
         }
-        let mask = match &batch.mask {
-            Some(mask) => Some(mask.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?),
-            None => None,
-        };
-        let op = crate::fused::AttentionOp::new((h, kvh, d), gated, ctx.rotary.layout, mask)?;
+        let op = crate::fused::AttentionOp::new(
+            (h, kvh, d),
+            gated,
+            ctx.rotary.layout,
+            batch.mask_values()?,
+        )?;
         proj.apply_op3(ctx.cos, ctx.sin, op).map(Some)
     }
 

@@ -28,7 +28,7 @@
 //! - Values and gradients agree with the composed form within f32 rounding (tests, both rotary
 //!   layouts, grouped heads, masks with a bidirectional prefix and padding).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
@@ -49,7 +49,7 @@ pub struct AttentionOp {
     gated: bool,
     layout: RopeLayout,
     /// The additive mask `[batch, seq, seq]`, or `None` when every query sees every key.
-    mask: Option<Vec<f32>>,
+    mask: Option<Arc<[f32]>>,
     saved: Mutex<Vec<Unit>>,
 }
 
@@ -70,7 +70,7 @@ impl AttentionOp {
         (heads, kv_heads, head_dim): (usize, usize, usize),
         gated: bool,
         layout: RopeLayout,
-        mask: Option<Vec<f32>>,
+        mask: Option<Arc<[f32]>>,
     ) -> candle_core::Result<Self> {
         if kv_heads == 0 || heads % kv_heads != 0 || head_dim % 2 != 0 {
             return Err(error(
@@ -488,7 +488,7 @@ mod tests {
         for (shape, gated, layout, mask) in cases {
             let flat = mask
                 .as_ref()
-                .map(|m| m.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+                .map(|m| m.flatten_all().unwrap().to_vec1::<f32>().unwrap().into());
             let op = AttentionOp::new(shape, gated, layout, flat).unwrap();
             let (_, _, _, _, width) = op.columns();
             let proj = random_var(&mut rng, (b, s, width), -2.0..2.0);
