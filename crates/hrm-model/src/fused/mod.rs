@@ -17,9 +17,10 @@
 //!   one after another, each split over a pool, which costs more in hand-offs than small
 //!   matrices take); its backward pass is two more of the same (`dA = scale · G Bᵀ`,
 //!   `dB = scale · Aᵀ G`).
-//! - [`grouped_matmul`]: a mixture-of-experts block's per-expert products, `x · w[e]` over the
-//!   rows routed to each expert, as one op; its backward pass writes each expert's weight
-//!   gradient into its own block (`dW[e] = xₑᵀ · gₑ`) instead of a full-size gradient per expert.
+//! - [`grouped_linear`]: a mixture-of-experts block's per-expert products, `x · w[e]ᵀ` over the
+//!   rows routed to each expert, as one op on the weights as stored (`[experts, out, in]`); its
+//!   backward pass writes each expert's weight gradient into its own block of the weight's own
+//!   layout (`dW[e] = gₑᵀ · xₑ`), so no transposed view of the weight becomes a graph node.
 //! - [`gather_rows`] and [`combine_rows`]: a mixture-of-experts block's gather of tokens into
 //!   routing slots and its weighted scatter back (`routing.rs`).
 //! - [`cross_entropy`]: mean next-token cross-entropy over the vocabulary, one pass forward and
@@ -811,19 +812,22 @@ impl CustomOp2 for BatchedMatMul {
     }
 }
 
-/// `x[rows of group e] · w[e]` for `x: [rows, k]`, `w: [groups, k, n]`, where the rows come
-/// sorted by group, `group_sizes[e]` of them for group `e`: the experts of a mixture-of-experts
-/// block, each applied to the rows routed to it, in one op instead of a slice, a product and a
-/// concatenation per expert. On the CPU in f32 the grouped kernel with its backward pass (which
-/// writes each expert's weight gradient into its own block of one `[groups, k, n]` tensor,
-/// instead of padding one full-size gradient per expert); elsewhere the composed form.
-pub fn grouped_matmul(
+/// `x[rows of group e] · w[e]ᵀ` for `x: [rows, k]` and `w: [groups, n, k]` (each group's weight
+/// stored `[out, in]`, as a linear layer's), where the rows come sorted by group,
+/// `group_sizes[e]` of them for group `e`: the experts of a mixture-of-experts block, each
+/// applied to the rows routed to it, in one op instead of a slice, a product and a concatenation
+/// per expert. On the CPU in f32 the grouped kernel with its backward pass, which writes each
+/// expert's weight gradient into its own block of one `[groups, n, k]` tensor (instead of padding
+/// one full-size gradient per expert), in the weight's own layout: a transposed view of the
+/// weight would be a graph node of its own, whose gradient candle zeroes and then adds strided
+/// into the weight's. Elsewhere the composed form.
+pub fn grouped_linear(
     x: &Tensor,
     w: &Tensor,
     group_sizes: &[usize],
 ) -> candle_core::Result<Tensor> {
     let (rows, k) = x.dims2()?;
-    let (groups, w_k, _) = w.dims3()?;
+    let (groups, _, w_k) = w.dims3()?;
     if w_k != k {
         return Err(error("grouped matmul: inner dimensions differ"));
     }
@@ -833,16 +837,16 @@ pub fn grouped_matmul(
             w,
             GroupedMatMul {
                 sizes: group_sizes.into(),
-                pass: GroupedPass::Product,
+                pass: GroupedPass::Linear,
             },
         );
     }
-    grouped_matmul_composed(x, w, group_sizes)
+    grouped_linear_composed(x, w, group_sizes)
 }
 
-/// [`grouped_matmul`] as one candle product per group: the path off the CPU, and the tests'
+/// [`grouped_linear`] as one candle product per group: the path off the CPU, and the tests'
 /// reference.
-pub(crate) fn grouped_matmul_composed(
+pub(crate) fn grouped_linear_composed(
     x: &Tensor,
     w: &Tensor,
     group_sizes: &[usize],
@@ -851,12 +855,12 @@ pub(crate) fn grouped_matmul_composed(
     let mut start = 0;
     for (e, &size) in group_sizes.iter().enumerate() {
         if size > 0 {
-            parts.push(x.narrow(0, start, size)?.matmul(&w.get(e)?)?);
+            parts.push(x.narrow(0, start, size)?.matmul(&w.get(e)?.t()?)?);
         }
         start += size;
     }
     if parts.is_empty() {
-        Tensor::zeros((0, w.dim(2)?), x.dtype(), x.device())
+        Tensor::zeros((0, w.dim(1)?), x.dtype(), x.device())
     } else {
         Tensor::cat(&parts, 0)
     }
@@ -991,21 +995,147 @@ fn gemm_new(
 
 /// Each `a · b` of `products` (`a: m × k`, `b: k × n`), their `m × n` results one after
 /// another in one vector.
+///
+/// The products large enough for the team are cut as [`gemm_at`] cuts one, and all their
+/// blocks go to the team in one call, first blocks first: one hand-off and one wait for the
+/// whole stack instead of one per product, and a thread that finishes its block early takes
+/// the next product's instead of waiting for the other's (a mixture-of-experts block's
+/// experts, each about half a dense product, left the calling thread waiting at every one).
 fn gemm_stacked(products: &[(Strided, Strided, (usize, usize, usize))]) -> Vec<f32> {
     let len = products.iter().map(|&(_, _, (m, _, n))| m * n).sum();
     let mut out = Vec::with_capacity(len);
-    let mut at = out.as_mut_ptr();
-    // SAFETY: the products' blocks of `m × n` values tile `out`'s `len` one after another; gemm
-    // without `accumulate` writes each block in full (zeros when `k` is 0, an empty sum) and
-    // reads none of it before.
+    let team = candle_core::utils::barrier_pool();
+    let parts = team.n_workers() + 1;
+    let mut cuts = Vec::with_capacity(products.len());
+    let mut at = 0;
+    for &(_, b, dims) in products {
+        let (m, k, n) = dims;
+        cuts.push((at, Cut::new(&b, dims, false, split_for(m * k * n), parts)));
+        at += m * n;
+    }
+    let blocks: Vec<(usize, usize)> = (0..parts)
+        .flat_map(|block| {
+            cuts.iter()
+                .enumerate()
+                .filter(move |(_, (_, cut))| block < cut.blocks())
+                .map(move |(product, _)| (product, block))
+        })
+        .collect();
+    let dst = SharedOut(out.as_mut_ptr());
+    // SAFETY: the products' `m × n` values tile `out`'s `len` one after another, and each
+    // product's blocks tile its values; gemm without `accumulate` writes each block in full
+    // (zeros when `k` is 0, an empty sum) and reads none of it before.
     unsafe {
-        for &(a, b, (m, k, n)) in products {
-            gemm_at(at, &a, &b, (m, k, n), 1.0, false, split_for(m * k * n));
-            at = at.add(m * n);
+        let run = |(product, block): (usize, usize)| {
+            let (a, b, _) = &products[product];
+            let (offset, cut) = &cuts[product];
+            cut.run(block, dst.ptr().add(*offset), a, b, 1.0);
+        };
+        if blocks.len() <= 1 {
+            blocks.into_iter().for_each(run);
+        } else {
+            team.execute_chunked(blocks.len(), |range| range.for_each(|i| run(blocks[i])));
         }
         out.set_len(len);
     }
     out
+}
+
+/// How a product's `m × n` output is cut into blocks, one per thread of candle's team (see
+/// [`gemm_at`]).
+#[derive(Clone, Copy)]
+struct Cut {
+    /// The product's `(m, k, n)`.
+    dims: (usize, usize, usize),
+    /// Whether the product adds to the values already in its output.
+    accumulate: bool,
+    /// Rows (else columns) of the output per block.
+    by_rows: bool,
+    /// Each block written column-major and moved into place ([`packs_fewer_as_columns`]).
+    as_columns: bool,
+    /// Rows or columns per block; the whole product when it is not cut.
+    block: usize,
+    /// The side that is cut; 0 when the product is one block on one thread.
+    side: usize,
+}
+
+impl Cut {
+    fn new(
+        b: &Strided,
+        (m, k, n): (usize, usize, usize),
+        accumulate: bool,
+        split: Split,
+        parts: usize,
+    ) -> Self {
+        let whole = |side| Self {
+            dims: (m, k, n),
+            accumulate,
+            by_rows: true,
+            as_columns: false,
+            block: side,
+            side,
+        };
+        if m * n == 0 {
+            return whole(0);
+        }
+        if split == Split::Serial || parts == 1 || k == 0 {
+            return whole(m);
+        }
+        let as_columns = !accumulate && packs_fewer_as_columns(b, (m, k, n));
+        let by_rows = as_columns || m > n;
+        let side = if by_rows { m } else { n };
+        Self {
+            dims: (m, k, n),
+            accumulate,
+            by_rows,
+            as_columns,
+            block: side.div_ceil(parts).next_multiple_of(16),
+            side,
+        }
+    }
+
+    fn blocks(&self) -> usize {
+        if self.side == 0 {
+            0
+        } else {
+            self.side.div_ceil(self.block)
+        }
+    }
+
+    /// Block `index` of `scale · a · b` (or, with `accumulate`, its sum with the values there)
+    /// into the product's `m × n` values at `dst`, rows `n` apart.
+    ///
+    /// # Safety
+    /// As for [`gemm_at`], for the block's rows or columns of `dst`.
+    unsafe fn run(&self, index: usize, dst: *mut f32, a: &Strided, b: &Strided, scale: f32) {
+        let ((m, k, n), accumulate) = (self.dims, self.accumulate);
+        let start = index * self.block;
+        let len = self.block.min(self.side - start);
+        // SAFETY: block `start..start + len` of rows (or columns) lies inside the m × n output,
+        // and no other block writes to it; `a`'s rows and `b`'s columns from `start` exist
+        // because `Strided::matrix` checked the whole operands.
+        unsafe {
+            if self.by_rows {
+                let (a, dst) = (a.rows_from(start), dst.add(start * n));
+                if self.as_columns {
+                    gemm_block_as_columns(dst, n, &a, b, (len, k, n), scale);
+                } else {
+                    gemm_block(dst, (n, 1), &a, b, (len, k, n), scale, accumulate);
+                }
+            } else {
+                let b = b.columns_from(start);
+                gemm_block(
+                    dst.add(start),
+                    (n, 1),
+                    a,
+                    &b,
+                    (m, k, len),
+                    scale,
+                    accumulate,
+                );
+            }
+        }
+    }
 }
 
 /// [`gemm_update`] into `m × n` values at `dst`, rows `n` apart.
@@ -1026,56 +1156,26 @@ unsafe fn gemm_at(
     dst: *mut f32,
     a: &Strided,
     b: &Strided,
-    (m, k, n): (usize, usize, usize),
+    dims: (usize, usize, usize),
     scale: f32,
     accumulate: bool,
     split: Split,
 ) {
-    if m * n == 0 {
-        return;
-    }
     let team = candle_core::utils::barrier_pool();
-    let parts = team.n_workers() + 1;
-    if split == Split::Serial || parts == 1 || k == 0 {
-        // SAFETY: the caller vouches for `dst`.
-        unsafe { gemm_block(dst, (n, 1), a, b, (m, k, n), scale, accumulate) };
-        return;
-    }
-    let as_columns = !accumulate && packs_fewer_as_columns(b, (m, k, n));
-    let by_rows = as_columns || m > n;
-    let side = if by_rows { m } else { n };
-    let block = side.div_ceil(parts).next_multiple_of(16);
+    let cut = Cut::new(b, dims, accumulate, split, team.n_workers() + 1);
     let dst = SharedOut(dst);
-    team.execute_chunked(side.div_ceil(block), |blocks| {
-        for start in blocks.map(|i| i * block) {
-            let len = block.min(side - start);
-            // SAFETY: block `start..start + len` of rows (or columns) lies inside the m × n
-            // output, and no other block writes to it; `a`'s rows and `b`'s columns from
-            // `start` exist because `Strided::matrix` checked the whole operands.
-            unsafe {
-                let dst = dst.ptr();
-                if by_rows {
-                    let (a, dst) = (a.rows_from(start), dst.add(start * n));
-                    if as_columns {
-                        gemm_block_as_columns(dst, n, &a, b, (len, k, n), scale);
-                    } else {
-                        gemm_block(dst, (n, 1), &a, b, (len, k, n), scale, accumulate);
-                    }
-                } else {
-                    let b = b.columns_from(start);
-                    gemm_block(
-                        dst.add(start),
-                        (n, 1),
-                        a,
-                        &b,
-                        (m, k, len),
-                        scale,
-                        accumulate,
-                    );
+    // SAFETY: the caller vouches for `dst`; the blocks tile it.
+    unsafe {
+        match cut.blocks() {
+            0 => {}
+            1 => cut.run(0, dst.ptr(), a, b, scale),
+            blocks => team.execute_chunked(blocks, |range| {
+                for index in range {
+                    cut.run(index, dst.ptr(), a, b, scale);
                 }
-            }
+            }),
         }
-    });
+    }
 }
 
 /// The output pointer, shared by the team's threads, each writing its own block.
@@ -1200,44 +1300,54 @@ fn strided_2d<'a>(
     ))
 }
 
-/// The kernels of [`grouped_matmul`]: its product, and (for the backward pass) its weight
-/// gradient.
+/// The kernels of [`grouped_linear`]: its product, and (for the backward pass) its input and
+/// weight gradients. The first operand's rows are the grouped ones in every pass.
 struct GroupedMatMul {
     sizes: Arc<[usize]>,
     pass: GroupedPass,
 }
 
 enum GroupedPass {
-    /// `x: [rows, k]`, `w: [groups, k, n]` → `xₑ · w[e]` per group, `[rows, n]`.
-    Product,
-    /// `x: [rows, k]`, the output's gradient `g: [rows, n]` → `xₑᵀ · gₑ` per group,
-    /// `[groups, k, n]` (zeros for a group that received no rows).
+    /// `x: [rows, k]`, `w: [groups, n, k]` → `xₑ · w[e]ᵀ` per group, `[rows, n]`.
+    Linear,
+    /// The output's gradient `g: [rows, n]`, `w: [groups, n, k]` → `gₑ · w[e]` per group,
+    /// `[rows, k]`.
+    InputGrad,
+    /// The output's gradient `g: [rows, n]`, `x: [rows, k]` → `gₑᵀ · xₑ` per group,
+    /// `[groups, n, k]` (zeros for a group that received no rows).
     WeightGrad,
 }
 
 impl CustomOp2 for GroupedMatMul {
     fn name(&self) -> &'static str {
         match self.pass {
-            GroupedPass::Product => "fused-grouped-matmul",
-            GroupedPass::WeightGrad => "fused-grouped-matmul-weight-grad",
+            GroupedPass::Linear => "fused-grouped-linear",
+            GroupedPass::InputGrad => "fused-grouped-linear-input-grad",
+            GroupedPass::WeightGrad => "fused-grouped-linear-weight-grad",
         }
     }
 
     fn cpu_fwd(
         &self,
-        x_storage: &CpuStorage,
-        x_layout: &Layout,
+        lhs_storage: &CpuStorage,
+        lhs_layout: &Layout,
         other_storage: &CpuStorage,
         other_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (rows, k) = x_layout.shape().dims2()?;
-        let (x, x_strides) = strided_2d(x_storage, x_layout)?;
-        let group_rows =
-            |start: usize, m: usize| Strided::matrix(x, start, x_strides.0, (m, k), x_strides);
+        let (rows, lhs_cols) = lhs_layout.shape().dims2()?;
+        let (lhs, lhs_strides) = strided_2d(lhs_storage, lhs_layout)?;
+        let group_rows = |start: usize, m: usize| {
+            Strided::matrix(lhs, start, lhs_strides.0, (m, lhs_cols), lhs_strides)
+        };
         let mut start = 0;
         match self.pass {
-            GroupedPass::Product => {
-                let (groups, _, n) = other_layout.shape().dims3()?;
+            GroupedPass::Linear | GroupedPass::InputGrad => {
+                let (groups, n, k) = other_layout.shape().dims3()?;
+                let linear = matches!(self.pass, GroupedPass::Linear);
+                let (inner, out_cols) = if linear { (k, n) } else { (n, k) };
+                if lhs_cols != inner {
+                    return Err(error("grouped matmul: inner dimensions differ"));
+                }
                 check_group_sizes(&self.sizes, groups, rows)?;
                 let w = &other_storage.as_slice::<f32>()?[other_layout.start_offset()..];
                 let &[w_step, w_rs, w_cs] = other_layout.stride() else {
@@ -1250,36 +1360,37 @@ impl CustomOp2 for GroupedMatMul {
                     .map(|(e, &m)| {
                         let a = group_rows(start, m)?;
                         start += m;
-                        let b = Strided::matrix(w, e, w_step, (k, n), (w_rs, w_cs))?;
-                        Ok((a, b, (m, k, n)))
+                        let w_e = Strided::matrix(w, e, w_step, (n, k), (w_rs, w_cs))?;
+                        let b = if linear { w_e.t() } else { w_e };
+                        Ok((a, b, (m, inner, out_cols)))
                     })
                     .collect::<candle_core::Result<Vec<_>>>()?;
                 Ok((
                     CpuStorage::F32(gemm_stacked(&products)),
-                    Shape::from((rows, n)),
+                    Shape::from((rows, out_cols)),
                 ))
             }
             GroupedPass::WeightGrad => {
-                let (g_rows, n) = other_layout.shape().dims2()?;
-                if g_rows != rows {
+                let (x_rows, k) = other_layout.shape().dims2()?;
+                if x_rows != rows {
                     return Err(error("grouped matmul: one gradient row per input row"));
                 }
-                let groups = self.sizes.len();
+                let (groups, n) = (self.sizes.len(), lhs_cols);
                 check_group_sizes(&self.sizes, groups, rows)?;
-                let (g, g_strides) = strided_2d(other_storage, other_layout)?;
+                let (x, x_strides) = strided_2d(other_storage, other_layout)?;
                 let products = self
                     .sizes
                     .iter()
                     .map(|&m| {
                         let a = group_rows(start, m)?.t();
-                        let b = Strided::matrix(g, start, g_strides.0, (m, n), g_strides)?;
+                        let b = Strided::matrix(x, start, x_strides.0, (m, k), x_strides)?;
                         start += m;
-                        Ok((a, b, (k, m, n)))
+                        Ok((a, b, (n, m, k)))
                     })
                     .collect::<candle_core::Result<Vec<_>>>()?;
                 Ok((
                     CpuStorage::F32(gemm_stacked(&products)),
-                    Shape::from((groups, k, n)),
+                    Shape::from((groups, n, k)),
                 ))
             }
         }
@@ -1296,8 +1407,8 @@ impl CustomOp2 for GroupedMatMul {
             sizes: self.sizes.clone(),
             pass,
         };
-        let d_x = grad.apply_op2_no_bwd(&w.t()?, &pass(GroupedPass::Product))?;
-        let d_w = x.apply_op2_no_bwd(grad, &pass(GroupedPass::WeightGrad))?;
+        let d_x = grad.apply_op2_no_bwd(w, &pass(GroupedPass::InputGrad))?;
+        let d_w = grad.apply_op2_no_bwd(x, &pass(GroupedPass::WeightGrad))?;
         Ok((Some(d_x), Some(d_w)))
     }
 }
@@ -1757,18 +1868,17 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn grouped_matmul_values_and_gradients_are_one_product_per_group() {
+    fn grouped_linear_values_and_gradients_are_one_product_per_group() {
         let mut rng = StdRng::seed_from_u64(9);
         // An expert with no rows, and groups large enough for the pool's GEMM.
         for (sizes, k, n) in [(vec![5, 0, 9, 3], 16, 12), (vec![300, 220], 64, 64)] {
             let rows: usize = sizes.iter().sum();
-            // The weights as the checkpoints store them, [groups, n, k], read transposed.
+            // The weights as the checkpoints store them, [groups, n, k].
             let w = random_var(&mut rng, (sizes.len(), n, k), -1.0..1.0);
             let x = random_var(&mut rng, (rows, k), -2.0..2.0);
             let weights = random(&mut rng, (rows, n), -1.0..1.0);
-            let wt = w.as_tensor().t().unwrap();
-            let fused = grouped_matmul(x.as_tensor(), &wt, &sizes).unwrap();
-            let reference = grouped_matmul_composed(x.as_tensor(), &wt, &sizes).unwrap();
+            let fused = grouped_linear(x.as_tensor(), w.as_tensor(), &sizes).unwrap();
+            let reference = grouped_linear_composed(x.as_tensor(), w.as_tensor(), &sizes).unwrap();
             assert_eq!(fused.dims(), &[rows, n]);
             close(&fused, &reference, 1e-5);
             let ours = grads_of(&fused, &weights, &[&x, &w]);
@@ -1780,18 +1890,18 @@ pub(super) mod tests {
     }
 
     #[test]
-    fn grouped_matmul_refuses_sizes_that_do_not_cover_the_rows() {
+    fn grouped_linear_refuses_sizes_that_do_not_cover_the_rows() {
         let x = Tensor::zeros((6, 4), DType::F32, &Device::Cpu).unwrap();
-        let w = Tensor::zeros((2, 4, 3), DType::F32, &Device::Cpu).unwrap();
+        let w = Tensor::zeros((2, 3, 4), DType::F32, &Device::Cpu).unwrap();
         for sizes in [vec![2, 3], vec![6], vec![2, 2, 2]] {
-            let err = grouped_matmul(&x, &w, &sizes).unwrap_err().to_string();
+            let err = grouped_linear(&x, &w, &sizes).unwrap_err().to_string();
             assert!(
                 err.contains("one size per group, summing to the rows"),
                 "{err}"
             );
         }
-        let w = Tensor::zeros((2, 5, 3), DType::F32, &Device::Cpu).unwrap();
-        let err = grouped_matmul(&x, &w, &[3, 3]).unwrap_err().to_string();
+        let w = Tensor::zeros((2, 3, 5), DType::F32, &Device::Cpu).unwrap();
+        let err = grouped_linear(&x, &w, &[3, 3]).unwrap_err().to_string();
         assert!(err.contains("inner dimensions differ"), "{err}");
     }
 
