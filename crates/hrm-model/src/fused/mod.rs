@@ -998,9 +998,9 @@ fn gemm_new(
 ///
 /// The products large enough for the team are cut as [`gemm_at`] cuts one, and all their
 /// blocks go to the team in one call, first blocks first: one hand-off and one wait for the
-/// whole stack instead of one per product, and a thread that finishes its block early takes
-/// the next product's instead of waiting for the other's (a mixture-of-experts block's
-/// experts, each about half a dense product, left the calling thread waiting at every one).
+/// whole stack instead of one per product (a mixture-of-experts block has one per expert),
+/// and a thread that finishes its block early takes the next product's instead of waiting for
+/// the other thread's.
 fn gemm_stacked(products: &[(Strided, Strided, (usize, usize, usize))]) -> Vec<f32> {
     let len = products.iter().map(|&(_, _, (m, _, n))| m * n).sum();
     let mut out = Vec::with_capacity(len);
