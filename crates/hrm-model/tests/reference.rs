@@ -4,7 +4,7 @@
 mod common;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
-use common::{expected, load, max_abs_diff};
+use common::{Expected, expected, load, max_abs_diff};
 use hrm_model::{CausalLm, ForwardBatch, Logits, SeqCache};
 
 const TOLERANCE: f32 = 1e-4;
@@ -28,6 +28,15 @@ fn forward(
     let mut batch =
         ForwardBatch::new(rows, blocks, caches, Logits::All, &Device::Cpu, DType::F32).unwrap();
     model.forward(&mut batch).unwrap().logits
+}
+
+/// The fixture's prompt as a first pass into `cache`, logits of every prompt position.
+fn prompt_pass(model: &dyn CausalLm, exp: &Expected, cache: &mut SeqCache) -> Tensor {
+    let prompt = exp.input_ids[..exp.prompt_len].to_vec();
+    let block = block_for(model, exp.prompt_len);
+    forward(model, &[prompt], &[block], vec![cache])
+        .squeeze(0)
+        .unwrap()
 }
 
 #[test]
@@ -60,13 +69,7 @@ fn stepwise_decoding_matches_transformers() {
         let model = loaded.model.as_ref();
         let exp = expected(name);
         let mut cache = SeqCache::new(model.info().cache_slots);
-        let prompt = exp.input_ids[..exp.prompt_len].to_vec();
-        let block = block_for(model, exp.prompt_len);
-        let mut steps = vec![
-            forward(model, &[prompt], &[block], vec![&mut cache])
-                .squeeze(0)
-                .unwrap(),
-        ];
+        let mut steps = vec![prompt_pass(model, &exp, &mut cache)];
         for &token in &exp.input_ids[exp.prompt_len..] {
             steps.push(
                 forward(model, &[vec![token]], &[0], vec![&mut cache])
@@ -109,14 +112,12 @@ fn continuation_of_several_tokens_in_one_pass_matches_transformers() {
         let model = loaded.model.as_ref();
         let exp = expected(name);
         let mut cache = SeqCache::new(model.info().cache_slots);
-        let (prompt, rest) = exp.input_ids.split_at(exp.prompt_len);
+        let rest = exp.input_ids[exp.prompt_len..].to_vec();
         assert!(rest.len() > 1, "{name}: the fixture continues its prompt");
-        let block = block_for(model, exp.prompt_len);
-        let first = forward(model, &[prompt.to_vec()], &[block], vec![&mut cache]);
-        let second = forward(model, &[rest.to_vec()], &[0], vec![&mut cache]);
+        let first = prompt_pass(model, &exp, &mut cache);
+        let second = forward(model, &[rest], &[0], vec![&mut cache]);
         assert_eq!(cache.len(), exp.input_ids.len());
-        let logits =
-            Tensor::cat(&[first.squeeze(0).unwrap(), second.squeeze(0).unwrap()], 0).unwrap();
+        let logits = Tensor::cat(&[first, second.squeeze(0).unwrap()], 0).unwrap();
         let diff = max_abs_diff(&logits, &exp.logits_stepwise);
         assert!(
             diff < TOLERANCE,
