@@ -29,7 +29,7 @@ use crate::cache::ForwardBatch;
 use crate::config::ModelFamily;
 use crate::config::{self, EosTokenId, ModelConfig, RopeParameters};
 use crate::layers::{
-    Attention, AttnContext, AttnInput, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm,
+    Attention, AttnContext, AttnInput, DecoderLayer, FeedForward, GateUp, Linear, Outputs, RmsNorm,
     RopeLayout, Rotary, SwiGlu,
 };
 use crate::moe::MoeMlp;
@@ -278,10 +278,14 @@ impl Stack {
         batch: &mut ForwardBatch<'_>,
         ctx: &AttnContext<'_>,
         first_slot: usize,
+        outputs: Outputs,
         aux: &mut Vec<Tensor>,
     ) -> Result<Tensor> {
+        let last = self.layers.len() - 1;
         for (i, layer) in self.layers.iter().enumerate() {
-            let (next, layer_aux) = layer.forward(&x, batch, ctx, first_slot + i)?;
+            // Earlier blocks' every position feeds the next block's keys and values.
+            let layer_outputs = if i == last { outputs } else { Outputs::All };
+            let (next, layer_aux) = layer.forward(&x, batch, ctx, first_slot + i, layer_outputs)?;
             aux.extend(layer_aux);
             x = next;
         }
@@ -404,28 +408,36 @@ impl CausalLm for HrmText {
                 .saturating_sub(grad_cycles.get(h).copied().unwrap_or(1));
             for l in 0..cfg.l_cycles {
                 let slot = (h * (cfg.l_cycles + 1) + l) * layers;
-                z_low = self
-                    .low
-                    .forward((&z_low + &z_high)?, batch, &ctx, slot, &mut aux)?;
+                z_low = self.low.forward(
+                    (&z_low + &z_high)?,
+                    batch,
+                    &ctx,
+                    slot,
+                    Outputs::All,
+                    &mut aux,
+                )?;
                 if l < detached_below {
                     z_low = z_low.detach();
                 }
             }
             let slot = (h * (cfg.l_cycles + 1) + cfg.l_cycles) * layers;
-            z_high = self
-                .high
-                .forward((&z_high + &z_low)?, batch, &ctx, slot, &mut aux)?;
+            // Only the final high-level pass's last block may drop positions: every earlier
+            // pass's output is the next pass's input at every position.
+            let outputs = if h + 1 == cfg.h_cycles {
+                Outputs::for_logits(batch.logits)
+            } else {
+                Outputs::All
+            };
+            z_high =
+                self.high
+                    .forward((&z_high + &z_low)?, batch, &ctx, slot, outputs, &mut aux)?;
         }
         batch.commit();
 
-        let hidden = match batch.logits {
-            Logits::All | Logits::Hidden => z_high,
-            Logits::Last => z_high.narrow(1, batch.seq_len() - 1, 1)?,
-        };
         let logits = if batch.logits == Logits::Hidden {
-            hidden
+            z_high
         } else {
-            self.lm_head.forward(&hidden)?
+            self.lm_head.forward(&z_high)?
         };
         let aux_loss = if aux.is_empty() {
             None

@@ -280,8 +280,55 @@ pub struct AttnContext<'a> {
     pub rotary: &'a Rotary,
 }
 
+/// Which positions of a block's output the rest of the pass reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outputs {
+    All,
+    /// The last position of each row: a generation pass's final block, whose other positions
+    /// only had to give their keys and values to the cache. The block's output projection and
+    /// feed-forward half then run on one row per sequence.
+    Last,
+}
+
+impl Outputs {
+    /// What a pass's final block gives for the logits the pass was asked for.
+    pub fn for_logits(logits: crate::Logits) -> Self {
+        match logits {
+            crate::Logits::Last => Self::Last,
+            crate::Logits::All | crate::Logits::Hidden => Self::All,
+        }
+    }
+
+    /// The positions of `t` (`[b, s, ...]`) that these outputs name.
+    pub fn of(self, t: Tensor) -> Result<Tensor> {
+        let s = t.dim(1)?;
+        match self {
+            Self::Last if s > 1 => t.narrow(1, s - 1, 1),
+            _ => Ok(t),
+        }
+    }
+}
+
 impl Attention {
+    /// Every position's keys and values reach the cache; the output `[b, s or 1, hidden]` has
+    /// the positions `outputs` names.
     pub fn forward(
+        &self,
+        x: &Tensor,
+        batch: &mut ForwardBatch<'_>,
+        ctx: &AttnContext<'_>,
+        slot: usize,
+        outputs: Outputs,
+    ) -> Result<Tensor> {
+        let out = match self.whole_pass_forward(x, batch, ctx, slot)? {
+            Some(out) => out,
+            None => self.cached_pass_forward(x, batch, ctx, slot)?,
+        };
+        self.o_proj.forward(&outputs.of(out)?)
+    }
+
+    /// Attention through the cache's general path: `[b, s, h · d]` before the output projection.
+    fn cached_pass_forward(
         &self,
         x: &Tensor,
         batch: &mut ForwardBatch<'_>,
@@ -290,9 +337,6 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, s, _) = x.dims3()?;
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
-        if let Some(out) = self.whole_pass_forward(x, batch, ctx, slot)? {
-            return self.o_proj.forward(&out);
-        }
         let (gate, q, k, v) = match &self.input {
             AttnInput::FusedGqkv(proj) => {
                 let all = proj.forward(x)?;
@@ -336,7 +380,7 @@ impl Attention {
             Some(gate) => crate::fused::sigmoid(&gate.reshape((b, s, h, d))?)?.mul(&out)?,
             None => out,
         };
-        self.o_proj.forward(&out.reshape((b, s, h * d))?)
+        out.reshape((b, s, h * d))
     }
 
     /// Attention over a pass whose rows see only their own tokens (training, scoring, a
@@ -486,18 +530,20 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
-    /// Returns the new hidden states and, for a mixture-of-experts block, its load-balancing loss.
+    /// Returns the new hidden states at the positions `outputs` names and, for a
+    /// mixture-of-experts block, its load-balancing loss.
     pub fn forward(
         &self,
         x: &Tensor,
         batch: &mut ForwardBatch<'_>,
         ctx: &AttnContext<'_>,
         slot: usize,
+        outputs: Outputs,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let attn = self
             .attn
-            .forward(&self.input_norm.forward(x)?, batch, ctx, slot)?;
-        let x = (x + attn)?;
+            .forward(&self.input_norm.forward(x)?, batch, ctx, slot, outputs)?;
+        let x = (outputs.of(x.clone())? + attn)?;
         let normed = self.post_attention_norm.forward(&x)?;
         let (mlp, aux) = match &self.mlp {
             FeedForward::Dense(mlp) => (mlp.forward(&normed)?, None),

@@ -13,7 +13,7 @@ use crate::cache::ForwardBatch;
 use crate::config::ModelFamily;
 use crate::config::{self, EosTokenId, ModelConfig, RopeParameters};
 use crate::layers::{
-    Attention, AttnContext, AttnInput, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm,
+    Attention, AttnContext, AttnInput, DecoderLayer, FeedForward, GateUp, Linear, Outputs, RmsNorm,
     RopeLayout, Rotary, SwiGlu,
 };
 use crate::{CausalLm, Logits, ModelInfo, ModelOutput};
@@ -402,14 +402,16 @@ impl CausalLm for Llama {
             rotary: &self.rotary,
         };
         let mut x = self.embed_tokens.forward(&batch.input_ids)?;
+        let last = self.layers.len() - 1;
         for (slot, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(&x, batch, &ctx, slot)?.0;
+            let outputs = if slot == last {
+                Outputs::for_logits(batch.logits)
+            } else {
+                Outputs::All
+            };
+            x = layer.forward(&x, batch, &ctx, slot, outputs)?.0;
         }
         batch.commit();
-        let x = match batch.logits {
-            Logits::All | Logits::Hidden => x,
-            Logits::Last => x.narrow(1, batch.seq_len() - 1, 1)?,
-        };
         let hidden = self.norm.forward(&x)?;
         let logits = if batch.logits == Logits::Hidden {
             hidden

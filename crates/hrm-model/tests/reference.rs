@@ -25,8 +25,18 @@ fn forward(
     blocks: &[usize],
     caches: Vec<&mut SeqCache>,
 ) -> Tensor {
+    pass(model, rows, blocks, caches, Logits::All)
+}
+
+fn pass(
+    model: &dyn CausalLm,
+    rows: &[Vec<u32>],
+    blocks: &[usize],
+    caches: Vec<&mut SeqCache>,
+    logits: Logits,
+) -> Tensor {
     let mut batch =
-        ForwardBatch::new(rows, blocks, caches, Logits::All, &Device::Cpu, DType::F32).unwrap();
+        ForwardBatch::new(rows, blocks, caches, logits, &Device::Cpu, DType::F32).unwrap();
     model.forward(&mut batch).unwrap().logits
 }
 
@@ -206,5 +216,65 @@ fn padded_batch_matches_single_rows() {
             }
         }
         assert_eq!((c0.len(), c1.len()), (long.len() + 2, short.len() + 2));
+    }
+}
+
+/// A generation asks for the last position's logits only, and the model's final block then
+/// runs its output projection and feed-forward half on that position alone. The prompt's pass
+/// and the decode steps that read the cache it filled, against transformers; and a padded
+/// batch's rows against their own full passes.
+#[test]
+fn generation_passes_match_transformers() {
+    for name in FIXTURES {
+        let loaded = load(name);
+        let model = loaded.model.as_ref();
+        let exp = expected(name);
+        let p = exp.prompt_len;
+        let mut cache = SeqCache::new(model.info().cache_slots);
+        let prompt = exp.input_ids[..p].to_vec();
+        let block = block_for(model, p);
+        let mut steps = vec![pass(
+            model,
+            &[prompt],
+            &[block],
+            vec![&mut cache],
+            Logits::Last,
+        )];
+        for &token in &exp.input_ids[p..] {
+            steps.push(pass(
+                model,
+                &[vec![token]],
+                &[0],
+                vec![&mut cache],
+                Logits::Last,
+            ));
+        }
+        assert_eq!(cache.len(), exp.input_ids.len());
+        let logits = Tensor::cat(&steps, 1).unwrap().squeeze(0).unwrap();
+        let want = exp
+            .logits_stepwise
+            .narrow(0, p - 1, exp.input_ids.len() - p + 1)
+            .unwrap();
+        let diff = max_abs_diff(&logits, &want);
+        assert!(
+            diff < TOLERANCE,
+            "{name}: a generation's passes differ from transformers by {diff}"
+        );
+
+        let rows = [exp.input_ids[..p].to_vec(), exp.input_ids[2..p].to_vec()];
+        let blocks = rows.each_ref().map(|row| block_for(model, row.len()));
+        let last = pass(model, &rows, &blocks, Vec::new(), Logits::Last);
+        assert_eq!(last.dims3().unwrap().1, 1);
+        for (i, (row, block)) in rows.iter().zip(blocks).enumerate() {
+            let full = forward(model, std::slice::from_ref(row), &[block], Vec::new());
+            let diff = max_abs_diff(
+                &last.i((i, 0)).unwrap(),
+                &full.i((0, row.len() - 1)).unwrap(),
+            );
+            assert!(
+                diff < TOLERANCE,
+                "{name}: row {i}'s last position in a padded generation pass differs from its own full pass by {diff}"
+            );
+        }
     }
 }
