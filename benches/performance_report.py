@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Issue #7's comparisons, measured side by side in one run, and the figures section of
+"""The comparisons with the peers, measured side by side in one run, and the figures section of
 docs/performance.md regenerated from them.
 
     python3 benches/performance_report.py --hrm target/release/hrm \\

@@ -8,8 +8,10 @@
 //! ([`crate::team`]).
 //!
 //! Invariants:
-//! - Only decode steps come here, whatever their batch, so a sequence's tokens never depend on
-//!   what else is batched with it; prefill and scoring keep candle's GEMM.
+//! - Only passes of one position per sequence come here, whatever their batch: decode steps,
+//!   and the final block of a generation pass once it has kept each sequence's last position
+//!   (`layers::Outputs`). So a sequence's tokens never depend on what else is batched with it;
+//!   the rest of a prompt's pass, and scoring, keep the GEMM.
 //! - The kernel is chosen at run time: AVX-512F, else AVX2 with FMA, else scalar. The vector
 //!   kernels sum in a different order from candle's (and fuse the multiply-add), so outputs agree
 //!   with candle's within f32 rounding, not bit for bit; tests hold every kernel the CPU has to
@@ -17,8 +19,8 @@
 
 use candle_core::{D, DType, Result, Tensor};
 
-/// Whether `Linear` should route `x · wᵀ` here rather than through candle: a decode step (one
-/// position per sequence) in f32 on the CPU, with no gradient to track (this product has no
+/// Whether `Linear` should route `x · wᵀ` here rather than through candle: one position per
+/// sequence in f32 on the CPU, with no gradient to track (this product has no
 /// backward pass).
 pub(crate) fn applies(w: &Tensor, x: &Tensor) -> bool {
     !w.track_op()

@@ -17,7 +17,8 @@ use crate::quant_matmul::QuantMatrix;
 
 /// A bias-free linear projection, dense or GGUF-quantised. Q4_1 and Q8_0 projections on the CPU
 /// are repacked at load for the kernel in `quant_matmul.rs`, which serves every pass; dense f32
-/// ones on the CPU use the kernel in `decode_matmul.rs` for decode steps and
+/// ones on the CPU use the kernel in `decode_matmul.rs` for one position per sequence (decode
+/// steps, and a generation pass's final block after [`Outputs::Last`]) and
 /// [`crate::fused::linear`] (gemm, cut over the thread team) for every other pass; everything
 /// else uses candle's.
 #[derive(Clone, Debug)]
