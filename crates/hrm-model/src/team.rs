@@ -154,10 +154,10 @@ impl Run {
 /// parallel. The chunks go out in runs of several, each run behind its own lock, which only
 /// the thread that takes the run locks: about eight runs per thread, as candle's team hands
 /// out its ranges, so short rows cost few locks.
-pub(crate) fn chunks_in_parallel(
-    out: &mut [f32],
+pub(crate) fn chunks_in_parallel<T: Send>(
+    out: &mut [T],
     len: usize,
-    fill: impl Fn(usize, &mut [f32]) + Sync,
+    fill: impl Fn(usize, &mut [T]) + Sync,
 ) {
     let len = len.max(1);
     if out.is_empty() {
@@ -174,7 +174,7 @@ pub(crate) fn chunks_in_parallel(
         .div_ceil(len)
         .div_ceil((team.n_workers() + 1) * 8)
         .max(1);
-    let runs: Vec<Mutex<&mut [f32]>> = out.chunks_mut(len * per_run).map(Mutex::new).collect();
+    let runs: Vec<Mutex<&mut [T]>> = out.chunks_mut(len * per_run).map(Mutex::new).collect();
     team.execute_chunked(runs.len(), |range| {
         for r in range {
             let mut run = runs[r].lock().unwrap_or_else(PoisonError::into_inner);
@@ -232,7 +232,7 @@ mod tests {
             assert_eq!(out.len(), rows * n);
             assert!(out.iter().enumerate().all(|(e, v)| *v == e as f32));
         }
-        chunks_in_parallel(&mut [], 7, |_, _| unreachable!());
+        chunks_in_parallel::<f32>(&mut [], 7, |_, _| unreachable!());
         let mut one = [0f32; 5];
         chunks_in_parallel(&mut one, 7, |i, chunk| chunk.fill(i as f32 + 1.0));
         assert_eq!(one, [1.0; 5]);

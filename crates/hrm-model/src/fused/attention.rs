@@ -216,17 +216,17 @@ impl CustomOp3 for AttentionOp {
         .into_iter()
         .collect::<candle_core::Result<Vec<_>>>()?;
 
-        let mut out = vec![0.0f32; b * s * h * d];
-        for (unit, (_, values)) in units.iter().enumerate() {
-            let (i, g) = (unit / kvh, unit % kvh);
-            for j in 0..group {
-                let head = g * group + j;
-                for t in 0..s {
-                    out[(i * s + t) * h * d + head * d..][..d]
-                        .copy_from_slice(&values[(j * s + t) * d..][..d]);
+        // Each output row gathers its heads from the units, on the team.
+        let out = super::fill_rows(b * s, h * d, |row, out| {
+            let (i, t) = (row / s, row % s);
+            for g in 0..kvh {
+                let values = &units[i * kvh + g].1;
+                for j in 0..group {
+                    let head = g * group + j;
+                    out[head * d..][..d].copy_from_slice(&values[(j * s + t) * d..][..d]);
                 }
             }
-        }
+        });
         *self.saved.lock().expect("attention state") = units.into_iter().map(|u| u.0).collect();
         Ok((CpuStorage::F32(out), Shape::from((b, s, h * d))))
     }
@@ -365,11 +365,11 @@ impl CustomOp3 for AttentionOp {
         .into_iter()
         .collect::<candle_core::Result<Vec<_>>>()?;
 
-        let mut d_proj = vec![0.0f32; b * s * width];
-        for (unit, (d_gate, d_q, d_k, d_v)) in units.iter().enumerate() {
-            let (i, g) = (unit / kvh, unit % kvh);
-            for t in 0..s {
-                let row = &mut d_proj[(i * s + t) * width..(i * s + t + 1) * width];
+        // Each row of the projection's gradient gathers its heads from the units, on the team.
+        let d_proj = super::fill_rows(b * s, width, |row_index, row| {
+            let (i, t) = (row_index / s, row_index % s);
+            for g in 0..kvh {
+                let (d_gate, d_q, d_k, d_v) = &units[i * kvh + g];
                 row[k_at + g * d..][..d].copy_from_slice(&d_k[t * d..(t + 1) * d]);
                 row[v_at + g * d..][..d].copy_from_slice(&d_v[t * d..(t + 1) * d]);
                 for j in 0..group {
@@ -381,7 +381,7 @@ impl CustomOp3 for AttentionOp {
                     }
                 }
             }
-        }
+        });
         let d_proj = Tensor::from_vec(d_proj, (b, s, width), proj.device())?;
         Ok((Some(d_proj), None, None))
     }
