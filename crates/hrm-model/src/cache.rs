@@ -36,6 +36,14 @@ struct SlotBuffers {
 /// The smallest capacity a slot allocates, in tokens: short decodes never reallocate.
 const MIN_CAPACITY: usize = 64;
 
+/// A slot's capacity at its first append of `new` tokens: room for as many again. A prompt's
+/// pass is followed by decode steps, and a buffer sized to the prompt alone would be copied
+/// whole into a doubled one at the very first step (on the calling thread, while the team
+/// waits); this is the capacity that first step would have grown it to.
+fn first_capacity(new: usize) -> usize {
+    (2 * new).max(MIN_CAPACITY)
+}
+
 impl SlotBuffers {
     /// Room for `needed` tokens at least, keeping what is cached.
     fn reserve(&mut self, needed: usize) -> Result<()> {
@@ -87,8 +95,8 @@ impl SeqCache {
         let buffers = match entry {
             Some(buffers) => buffers,
             None => entry.insert(SlotBuffers {
-                keys: grown(k, 0, new.max(MIN_CAPACITY))?,
-                values: grown(v, 0, new.max(MIN_CAPACITY))?,
+                keys: grown(k, 0, first_capacity(new))?,
+                values: grown(v, 0, first_capacity(new))?,
                 len: 0,
             }),
         };
@@ -496,6 +504,27 @@ mod tests {
         assert!(cache.slots[0].is_none(), "the other slot is untouched");
         let err = cache.append(2, &token(0, 1), &token(0, 1)).unwrap_err();
         assert!(err.to_string().contains("slot 2 out of range"), "{err}");
+    }
+
+    /// A prompt's pass leaves room for as many tokens again: the decode steps after it write in
+    /// place, and the buffer doubles only once they have filled that room.
+    #[test]
+    fn a_prompts_pass_leaves_room_for_the_steps_after_it() {
+        let prompt = 3 * MIN_CAPACITY;
+        let zeros = |n: usize| Tensor::zeros((1, 2, n, 3), DType::F32, &Device::Cpu).unwrap();
+        let capacity = |cache: &SeqCache| {
+            let slot = cache.slots[0].as_ref().expect("slot 0 holds the prompt");
+            (slot.keys.dim(2).unwrap(), slot.values.dim(2).unwrap())
+        };
+        let mut cache = SeqCache::new(1);
+        cache.append(0, &zeros(prompt), &zeros(prompt)).unwrap();
+        assert_eq!(capacity(&cache), (2 * prompt, 2 * prompt));
+        for _ in 0..prompt {
+            cache.append(0, &zeros(1), &zeros(1)).unwrap();
+        }
+        assert_eq!(capacity(&cache), (2 * prompt, 2 * prompt));
+        cache.append(0, &zeros(1), &zeros(1)).unwrap();
+        assert_eq!(capacity(&cache), (4 * prompt, 4 * prompt));
     }
 
     #[test]
