@@ -281,10 +281,13 @@ impl Stack {
         outputs: Outputs,
         aux: &mut Vec<Tensor>,
     ) -> Result<Tensor> {
-        let last = self.layers.len() - 1;
         for (i, layer) in self.layers.iter().enumerate() {
             // Earlier blocks' every position feeds the next block's keys and values.
-            let layer_outputs = if i == last { outputs } else { Outputs::All };
+            let layer_outputs = if i + 1 == self.layers.len() {
+                outputs
+            } else {
+                Outputs::All
+            };
             let (next, layer_aux) = layer.forward(&x, batch, ctx, first_slot + i, layer_outputs)?;
             aux.extend(layer_aux);
             x = next;

@@ -402,9 +402,8 @@ impl CausalLm for Llama {
             rotary: &self.rotary,
         };
         let mut x = self.embed_tokens.forward(&batch.input_ids)?;
-        let last = self.layers.len() - 1;
         for (slot, layer) in self.layers.iter().enumerate() {
-            let outputs = if slot == last {
+            let outputs = if slot + 1 == self.layers.len() {
                 Outputs::for_logits(batch.logits)
             } else {
                 Outputs::All
