@@ -281,14 +281,10 @@ impl Stack {
         outputs: Outputs,
         aux: &mut Vec<Tensor>,
     ) -> Result<Tensor> {
+        let count = self.layers.len();
         for (i, layer) in self.layers.iter().enumerate() {
-            // Earlier blocks' every position feeds the next block's keys and values.
-            let layer_outputs = if i + 1 == self.layers.len() {
-                outputs
-            } else {
-                Outputs::All
-            };
-            let (next, layer_aux) = layer.forward(&x, batch, ctx, first_slot + i, layer_outputs)?;
+            let (next, layer_aux) =
+                layer.forward(&x, batch, ctx, first_slot + i, outputs.for_block(i, count))?;
             aux.extend(layer_aux);
             x = next;
         }
@@ -426,11 +422,7 @@ impl CausalLm for HrmText {
             let slot = (h * (cfg.l_cycles + 1) + cfg.l_cycles) * layers;
             // Only the final high-level pass's last block may drop positions: every earlier
             // pass's output is the next pass's input at every position.
-            let outputs = if h + 1 == cfg.h_cycles {
-                Outputs::for_logits(batch.logits)
-            } else {
-                Outputs::All
-            };
+            let outputs = Outputs::for_logits(batch.logits).for_block(h, cfg.h_cycles);
             z_high =
                 self.high
                     .forward((&z_high + &z_low)?, batch, &ctx, slot, outputs, &mut aux)?;

@@ -300,6 +300,12 @@ impl Outputs {
         }
     }
 
+    /// What block `index` of `count` run in order gives: these outputs for the last, every
+    /// position for the others (each of whose positions feeds the next block's keys and values).
+    pub fn for_block(self, index: usize, count: usize) -> Self {
+        if index + 1 == count { self } else { Self::All }
+    }
+
     /// The positions of `t` (`[b, s, ...]`) that these outputs name.
     pub fn of(self, t: Tensor) -> Result<Tensor> {
         let s = t.dim(1)?;

@@ -402,13 +402,10 @@ impl CausalLm for Llama {
             rotary: &self.rotary,
         };
         let mut x = self.embed_tokens.forward(&batch.input_ids)?;
+        let outputs = Outputs::for_logits(batch.logits);
         for (slot, layer) in self.layers.iter().enumerate() {
-            let outputs = if slot + 1 == self.layers.len() {
-                Outputs::for_logits(batch.logits)
-            } else {
-                Outputs::All
-            };
-            x = layer.forward(&x, batch, &ctx, slot, outputs)?.0;
+            let layer_outputs = outputs.for_block(slot, self.layers.len());
+            x = layer.forward(&x, batch, &ctx, slot, layer_outputs)?.0;
         }
         batch.commit();
         let hidden = self.norm.forward(&x)?;

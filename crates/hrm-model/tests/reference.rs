@@ -40,13 +40,36 @@ fn pass(
     model.forward(&mut batch).unwrap().logits
 }
 
-/// The fixture's prompt as a first pass into `cache`, logits of every prompt position.
-fn prompt_pass(model: &dyn CausalLm, exp: &Expected, cache: &mut SeqCache) -> Tensor {
+/// The fixture's prompt as a first pass into `cache`: `[positions, vocab]`, the positions
+/// `logits` asks for.
+fn prompt_pass(
+    model: &dyn CausalLm,
+    exp: &Expected,
+    cache: &mut SeqCache,
+    logits: Logits,
+) -> Tensor {
     let prompt = exp.input_ids[..exp.prompt_len].to_vec();
     let block = block_for(model, exp.prompt_len);
-    forward(model, &[prompt], &[block], vec![cache])
+    pass(model, &[prompt], &[block], vec![cache], logits)
         .squeeze(0)
         .unwrap()
+}
+
+/// The fixture's prompt as a first pass, then each later token as a decode step reading the
+/// cache it filled: the logits of the positions `logits` asks for, `[positions, vocab]`, in
+/// order. Checks that the cache ends holding every token.
+fn prompt_then_steps(model: &dyn CausalLm, exp: &Expected, logits: Logits) -> Tensor {
+    let mut cache = SeqCache::new(model.info().cache_slots);
+    let mut steps = vec![prompt_pass(model, exp, &mut cache, logits)];
+    for &token in &exp.input_ids[exp.prompt_len..] {
+        steps.push(
+            pass(model, &[vec![token]], &[0], vec![&mut cache], logits)
+                .squeeze(0)
+                .unwrap(),
+        );
+    }
+    assert_eq!(cache.len(), exp.input_ids.len());
+    Tensor::cat(&steps, 0).unwrap()
 }
 
 #[test]
@@ -78,17 +101,7 @@ fn stepwise_decoding_matches_transformers() {
         let loaded = load(name);
         let model = loaded.model.as_ref();
         let exp = expected(name);
-        let mut cache = SeqCache::new(model.info().cache_slots);
-        let mut steps = vec![prompt_pass(model, &exp, &mut cache)];
-        for &token in &exp.input_ids[exp.prompt_len..] {
-            steps.push(
-                forward(model, &[vec![token]], &[0], vec![&mut cache])
-                    .squeeze(0)
-                    .unwrap(),
-            );
-        }
-        assert_eq!(cache.len(), exp.input_ids.len());
-        let logits = Tensor::cat(&steps, 0).unwrap();
+        let logits = prompt_then_steps(model, &exp, Logits::All);
         let diff = max_abs_diff(&logits, &exp.logits_stepwise);
         assert!(
             diff < TOLERANCE,
@@ -124,7 +137,7 @@ fn continuation_of_several_tokens_in_one_pass_matches_transformers() {
         let mut cache = SeqCache::new(model.info().cache_slots);
         let rest = exp.input_ids[exp.prompt_len..].to_vec();
         assert!(rest.len() > 1, "{name}: the fixture continues its prompt");
-        let first = prompt_pass(model, &exp, &mut cache);
+        let first = prompt_pass(model, &exp, &mut cache, Logits::All);
         let second = forward(model, &[rest], &[0], vec![&mut cache]);
         assert_eq!(cache.len(), exp.input_ids.len());
         let logits = Tensor::cat(&[first, second.squeeze(0).unwrap()], 0).unwrap();
@@ -230,27 +243,7 @@ fn generation_passes_match_transformers() {
         let model = loaded.model.as_ref();
         let exp = expected(name);
         let p = exp.prompt_len;
-        let mut cache = SeqCache::new(model.info().cache_slots);
-        let prompt = exp.input_ids[..p].to_vec();
-        let block = block_for(model, p);
-        let mut steps = vec![pass(
-            model,
-            &[prompt],
-            &[block],
-            vec![&mut cache],
-            Logits::Last,
-        )];
-        for &token in &exp.input_ids[p..] {
-            steps.push(pass(
-                model,
-                &[vec![token]],
-                &[0],
-                vec![&mut cache],
-                Logits::Last,
-            ));
-        }
-        assert_eq!(cache.len(), exp.input_ids.len());
-        let logits = Tensor::cat(&steps, 1).unwrap().squeeze(0).unwrap();
+        let logits = prompt_then_steps(model, &exp, Logits::Last);
         let want = exp
             .logits_stepwise
             .narrow(0, p - 1, exp.input_ids.len() - p + 1)

@@ -218,9 +218,7 @@ fn fill_rows_reading(
         return out;
     }
     let zero_then_fill = |i: usize, row: &mut [MaybeUninit<f32>]| {
-        for v in row.iter_mut() {
-            v.write(0.0);
-        }
+        row.fill(MaybeUninit::new(0.0));
         // SAFETY: every element of `row` was written just above, and `MaybeUninit<f32>` has
         // the layout of `f32`.
         let row = unsafe { &mut *(std::ptr::from_mut::<[MaybeUninit<f32>]>(row) as *mut [f32]) };
