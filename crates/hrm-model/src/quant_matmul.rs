@@ -309,10 +309,15 @@ struct ActPair([i8; 64]);
 
 /// Every activation row quantised, in the pair layout of the module doc. Scales and sums are
 /// padded with zeros to whole groups of [`SCALE_GROUP`] blocks, and a half pair with zero
-/// quants.
+/// quants. Each row has buffers of its own, so that the rows of a prefill are quantised in
+/// parallel on the thread team rather than on the calling thread while the others wait.
 struct Activations {
-    pairs: usize,
-    padded: usize,
+    rows: Vec<RowBuffers>,
+}
+
+/// One row of [`Activations`].
+#[derive(Clone)]
+struct RowBuffers {
     qs: Vec<ActPair>,
     d: Vec<f32>,
     s: Vec<f32>,
@@ -320,34 +325,38 @@ struct Activations {
 
 impl Activations {
     fn quantize(kernel: Kernel, x: &[f32], nb: usize) -> Self {
-        let rows = x.len() / (nb * QK);
-        let (pairs, padded) = (nb.div_ceil(2), nb.div_ceil(SCALE_GROUP) * SCALE_GROUP);
-        let mut acts = Self {
-            pairs,
-            padded,
-            qs: vec![ActPair([0; 64]); rows * pairs],
-            d: vec![0.0; rows * padded],
-            s: vec![0.0; rows * padded],
+        let empty = RowBuffers {
+            qs: vec![ActPair([0; 64]); nb.div_ceil(2)],
+            d: vec![0.0; nb.div_ceil(SCALE_GROUP) * SCALE_GROUP],
+            s: vec![0.0; nb.div_ceil(SCALE_GROUP) * SCALE_GROUP],
         };
-        for (i, row) in x.chunks_exact(nb * QK).enumerate() {
-            for (b, block) in row.as_chunks::<QK>().0.iter().enumerate() {
+        let mut rows = vec![empty; x.len() / (nb * QK)];
+        crate::team::chunks_in_parallel(&mut rows, 1, |i, row| {
+            let row = &mut row[0];
+            for (b, block) in x[i * nb * QK..][..nb * QK]
+                .as_chunks::<QK>()
+                .0
+                .iter()
+                .enumerate()
+            {
                 let q = kernel.quantize(block);
-                let pair = &mut acts.qs[i * pairs + b / 2].0;
+                let pair = &mut row.qs[b / 2].0;
                 let h = b % 2;
                 pair[16 * h..16 * h + 16].copy_from_slice(&q.qs[..16]);
                 pair[32 + 16 * h..32 + 16 * h + 16].copy_from_slice(&q.qs[16..]);
-                acts.d[i * padded + b] = q.d;
-                acts.s[i * padded + b] = q.s;
+                row.d[b] = q.d;
+                row.s[b] = q.s;
             }
-        }
-        acts
+        });
+        Self { rows }
     }
 
     fn row(&self, i: usize) -> ActRow<'_> {
+        let row = &self.rows[i];
         ActRow {
-            qs: &self.qs[i * self.pairs..][..self.pairs],
-            d: &self.d[i * self.padded..][..self.padded],
-            s: &self.s[i * self.padded..][..self.padded],
+            qs: &row.qs,
+            d: &row.d,
+            s: &row.s,
         }
     }
 }
@@ -597,7 +606,18 @@ mod avx2 {
         let mut qs = [0i8; QK];
         // SAFETY: `qs` holds the 32 bytes written.
         unsafe { _mm256_storeu_si256(qs.as_mut_ptr().cast(), q8) };
-        let sum: i32 = qs.iter().map(|&q| i32::from(q)).sum();
+        // Σqs, exact: byte pairs into i16, then pairs of those into eight i32 lanes.
+        let pairs = _mm256_maddubs_epi16(_mm256_set1_epi8(1), q8);
+        let lanes = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+        let half = _mm_add_epi32(
+            _mm256_castsi256_si128(lanes),
+            _mm256_extracti128_si256::<1>(lanes),
+        );
+        let half = _mm_add_epi32(half, _mm_shuffle_epi32::<0b01_00_11_10>(half));
+        let sum = _mm_cvtsi128_si32(_mm_add_epi32(
+            half,
+            _mm_shuffle_epi32::<0b10_11_00_01>(half),
+        ));
         ActBlock {
             d,
             s: d * sum as f32,
@@ -607,11 +627,14 @@ mod avx2 {
 
     /// The first `count` of the eight f16 values at the start of `src` as f32, the other
     /// lanes zero (a scale group at a row's end has fewer than eight blocks).
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and F16C, and `src` points at 16 readable bytes.
     #[target_feature(enable = "avx2,f16c")]
     #[inline]
-    pub(super) fn halves(src: &[u8], count: usize) -> __m256 {
-        // SAFETY: the slice holds the 16 bytes read.
-        let v = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(src[..16].as_ptr().cast()) });
+    pub(super) unsafe fn halves(src: *const u8, count: usize) -> __m256 {
+        // SAFETY: the caller's.
+        let v = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(src.cast()) });
         if count >= 8 {
             return v;
         }
@@ -622,12 +645,16 @@ mod avx2 {
 
     /// A pair of blocks' quants in the activations' order, as unsigned bytes (Q8_0's as `|w|`),
     /// and Q8_0's signed bytes, whose signs the kernel moves onto the activations.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, and `pair` points at a pair's 32 (Q4_1) or 64 (Q8_0) readable bytes.
     #[target_feature(enable = "avx2")]
     #[inline]
-    pub(super) fn unpack<const Q4_1: bool>(pair: &[u8]) -> ([__m256i; 2], [__m256i; 2]) {
+    pub(super) unsafe fn unpack<const Q4_1: bool>(pair: *const u8) -> ([__m256i; 2], [__m256i; 2]) {
+        let pair = pair.cast::<__m256i>();
         if Q4_1 {
-            // SAFETY: a Q4_1 pair holds the 32 bytes read.
-            let packed = unsafe { _mm256_loadu_si256(pair[..32].as_ptr().cast()) };
+            // SAFETY: the caller's.
+            let packed = unsafe { _mm256_loadu_si256(pair) };
             let low = _mm256_set1_epi8(0x0F);
             let q = [
                 _mm256_and_si256(packed, low),
@@ -635,10 +662,8 @@ mod avx2 {
             ];
             (q, q)
         } else {
-            // SAFETY: a Q8_0 pair holds the 64 bytes read.
-            let q: [__m256i; 2] = std::array::from_fn(|i| unsafe {
-                _mm256_loadu_si256(pair[32 * i..32 * i + 32].as_ptr().cast())
-            });
+            // SAFETY: the caller's.
+            let q = unsafe { [_mm256_loadu_si256(pair), _mm256_loadu_si256(pair.add(1))] };
             (q.map(|q| _mm256_sign_epi8(q, q)), q)
         }
     }
@@ -671,71 +696,98 @@ macro_rules! byte_dot_kernel {
                 xs: [ActRow; R],
                 out: &mut [[f32; R]],
             ) {
-                let (nb, scales) = (layout.nb, layout.scales_at());
+                let nb = layout.nb;
+                for x in &xs {
+                    assert!(
+                        x.qs.len() >= nb.div_ceil(2)
+                            && x.d.len() >= nb.next_multiple_of(SCALE_GROUP)
+                            && x.s.len() >= nb.next_multiple_of(SCALE_GROUP),
+                        "quantised matmul: activation row"
+                    );
+                }
+                for (j, out) in out.iter_mut().enumerate() {
+                    dot_row::<Q4_1, R>(layout, &w[j * layout.bytes..], &xs, out);
+                }
+            }
+
+            /// [`dot_rows`] for the weight row at the start of `w`.
+            #[target_feature(enable = $features)]
+            #[inline]
+            fn dot_row<const Q4_1: bool, const R: usize>(
+                layout: RowLayout,
+                w: &[u8],
+                xs: &[ActRow; R],
+                out: &mut [f32; R],
+            ) {
+                let nb = layout.nb;
                 let pair_bytes = layout.format.pair_bytes();
+                assert!(
+                    w.len() >= layout.bytes + super::SLACK,
+                    "quantised matmul: row"
+                );
                 // The lanes of the group's scales that pair `i` of it spreads over its eight
                 // lane sums: block 2i over the first four, block 2i + 1 over the rest.
                 let spread: [__m256i; SCALE_GROUP / 2] = std::array::from_fn(|i| {
                     let (a, b) = (2 * i as i32, 2 * i as i32 + 1);
                     _mm256_setr_epi32(a, a, a, a, b, b, b, b)
                 });
-                for (j, out) in out.iter_mut().enumerate() {
-                    // The row and the slack after it, which a short last scale group reads.
-                    let row = &w[j * layout.bytes..][..layout.bytes + super::SLACK];
-                    let mut acc = [_mm256_setzero_ps(); R];
-                    let mut min = [_mm256_setzero_ps(); R];
-                    for g in (0..nb).step_by(SCALE_GROUP) {
-                        let blocks = (nb - g).min(SCALE_GROUP);
-                        let d_w = halves(&row[scales + 2 * g..], blocks);
-                        // SAFETY: activation scales and sums are padded to whole groups.
-                        let dd = xs.map(|x| unsafe {
-                            _mm256_mul_ps(d_w, _mm256_loadu_ps(x.d[g..g + SCALE_GROUP].as_ptr()))
-                        });
-                        if Q4_1 {
-                            let m_w = halves(&row[scales + 2 * nb + 2 * g..], blocks);
-                            for (min, x) in min.iter_mut().zip(&xs) {
-                                // SAFETY: as above.
-                                let s =
-                                    unsafe { _mm256_loadu_ps(x.s[g..g + SCALE_GROUP].as_ptr()) };
-                                *min = _mm256_fmadd_ps(m_w, s, *min);
-                            }
-                        }
-                        for (i, spread) in spread.iter().enumerate().take(blocks.div_ceil(2)) {
-                            let p = g / 2 + i;
-                            let pair = &row[p * pair_bytes..][..pair_bytes];
-                            _mm_prefetch::<_MM_HINT_T0>(
-                                pair.as_ptr().wrapping_add(PREFETCH_AHEAD).cast(),
-                            );
-                            let (weights, signed) = unpack::<Q4_1>(pair);
-                            for r in 0..R {
-                                let qs = &xs[r].qs[p].0;
-                                // SAFETY: an activation pair holds the 64 bytes read.
-                                let x: [__m256i; 2] = std::array::from_fn(|h| unsafe {
-                                    _mm256_loadu_si256(qs[32 * h..32 * h + 32].as_ptr().cast())
-                                });
-                                // Q4_1's nibbles are unsigned; Q8_0's signed weights go in as
-                                // |w|, their signs moved onto x.
-                                let x = if Q4_1 {
-                                    x
-                                } else {
-                                    [
-                                        _mm256_sign_epi8(x[0], signed[0]),
-                                        _mm256_sign_epi8(x[1], signed[1]),
-                                    ]
-                                };
-                                let sums = _mm256_cvtepi32_ps($lane_sums(weights, x));
-                                let scale = _mm256_permutevar8x32_ps(dd[r], *spread);
-                                acc[r] = _mm256_fmadd_ps(scale, sums, acc[r]);
-                            }
+                let row = w.as_ptr();
+                let scales = row.wrapping_add(layout.scales_at());
+                let mut acc = [_mm256_setzero_ps(); R];
+                let mut min = [_mm256_setzero_ps(); R];
+                // SAFETY (every read below): the asserts here and in `dot_rows`; a scale group
+                // cut short at a row's end reads on into the row's minimums, the next row or the
+                // slack, and `halves` clears those lanes; activation scales and sums are padded
+                // to whole groups, and quants to whole pairs.
+                let mut group = |g: usize, blocks: usize| unsafe {
+                    let d_x = xs.map(|x| _mm256_loadu_ps(x.d.as_ptr().add(g)));
+                    let d_w = halves(scales.add(2 * g), blocks);
+                    let dd = d_x.map(|d_x| _mm256_mul_ps(d_w, d_x));
+                    if Q4_1 {
+                        let s_x = xs.map(|x| _mm256_loadu_ps(x.s.as_ptr().add(g)));
+                        let m_w = halves(scales.add(2 * nb + 2 * g), blocks);
+                        for (min, s_x) in min.iter_mut().zip(s_x) {
+                            *min = _mm256_fmadd_ps(m_w, s_x, *min);
                         }
                     }
-                    for r in 0..R {
-                        out[r] = if Q4_1 {
-                            sum_lanes(acc[r]) + sum_lanes(min[r])
-                        } else {
-                            sum_lanes(acc[r])
-                        };
+                    for (i, spread) in spread.iter().enumerate().take(blocks.div_ceil(2)) {
+                        let p = g / 2 + i;
+                        let pair = row.add(p * pair_bytes);
+                        _mm_prefetch::<_MM_HINT_T0>(pair.wrapping_add(PREFETCH_AHEAD).cast());
+                        let (weights, signed) = unpack::<Q4_1>(pair);
+                        for r in 0..R {
+                            let qs = xs[r].qs.as_ptr().add(p).cast::<__m256i>();
+                            let x = [_mm256_loadu_si256(qs), _mm256_loadu_si256(qs.add(1))];
+                            // Q4_1's nibbles are unsigned; Q8_0's signed weights go in as
+                            // |w|, their signs moved onto x.
+                            let x = if Q4_1 {
+                                x
+                            } else {
+                                [
+                                    _mm256_sign_epi8(x[0], signed[0]),
+                                    _mm256_sign_epi8(x[1], signed[1]),
+                                ]
+                            };
+                            let sums = _mm256_cvtepi32_ps($lane_sums(weights, x));
+                            let scale = _mm256_permutevar8x32_ps(dd[r], *spread);
+                            acc[r] = _mm256_fmadd_ps(scale, sums, acc[r]);
+                        }
                     }
+                };
+                // Whole groups with a fixed count, so that their pairs unroll without checks.
+                let whole = nb / SCALE_GROUP * SCALE_GROUP;
+                for g in (0..whole).step_by(SCALE_GROUP) {
+                    group(g, SCALE_GROUP);
+                }
+                if whole < nb {
+                    group(whole, nb - whole);
+                }
+                for r in 0..R {
+                    out[r] = if Q4_1 {
+                        sum_lanes(acc[r]) + sum_lanes(min[r])
+                    } else {
+                        sum_lanes(acc[r])
+                    };
                 }
             }
         }

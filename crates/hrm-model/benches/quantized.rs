@@ -1,0 +1,56 @@
+//! The GGUF products (Q4_1 and Q8_0, our repacked kernels) on SmolLM2-135M's shapes, one JSON
+//! line per shape and batch (`{"shape": ..., "rows": ..., "seconds": ..., "gb_s": ...}`, the
+//! median of `--reps` calls, and the weight bytes it read per second):
+//! `cargo bench -p hrm-model --bench quantized -- --reps 200`.
+//!
+//! The layers' matrices (at most 1.1 MB each) stay in cache between calls, so their rates
+//! measure the kernels' arithmetic; the output head (30 MB) streams from memory.
+
+use std::time::Instant;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Module, Tensor};
+use hrm_model::layers::Linear;
+
+/// `(name, out, in, format)`.
+const SHAPES: [(&str, usize, usize, GgmlDType); 5] = [
+    ("qkv", 960, 576, GgmlDType::Q4_1),
+    ("o", 576, 576, GgmlDType::Q4_1),
+    ("gate_up", 3072, 576, GgmlDType::Q4_1),
+    ("down", 576, 1536, GgmlDType::Q4_1),
+    ("lm head", 49152, 576, GgmlDType::Q8_0),
+];
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let reps = args
+        .iter()
+        .position(|a| a == "--reps")
+        .and_then(|i| args.get(i + 1))
+        .map_or(200, |r| r.parse().expect("--reps takes a number"));
+    for (name, out, k, format) in SHAPES {
+        let w = Tensor::randn(0f32, 1.0, (out, k), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&w, format).unwrap();
+        let bytes = q.storage_size_in_bytes();
+        let linear = Linear::quantized(q).unwrap();
+        for rows in [1, 8] {
+            let x = Tensor::randn(0f32, 1.0, (rows, 1, k), &Device::Cpu).unwrap();
+            linear.forward(&x).unwrap();
+            let mut times: Vec<f64> = (0..reps)
+                .map(|_| {
+                    let started = Instant::now();
+                    linear.forward(&x).unwrap();
+                    started.elapsed().as_secs_f64()
+                })
+                .collect();
+            times.sort_by(f64::total_cmp);
+            let seconds = times[times.len() / 2];
+            println!(
+                "{}",
+                serde_json::json!({"shape": name, "format": format!("{format:?}"), "rows": rows,
+                                   "out": out, "in": k, "seconds": seconds,
+                                   "gb_s": bytes as f64 / seconds / 1e9})
+            );
+        }
+    }
+}
