@@ -16,10 +16,12 @@
 //!   over the threads even at batch 1. Each part keeps its softmax unnormalised with its own
 //!   maximum; the parts are merged after. Where the parts fall depends on the sequence's own
 //!   length only, so its output does not depend on the batch around it or on the thread count.
-//! - Scores and the probability-weighted sum of values use the decode products' vector kernels
-//!   ([`crate::decode_matmul::Kernel`]), and the exponentials are the prefill softmax's
-//!   ([`crate::fused::exp_from_max`]); the result agrees with the general path within f32
-//!   rounding, not bit for bit (tests).
+//! - Scores are summed a tile of keys at a time, one key per vector lane ([`key_scores`]), on
+//!   the instruction set the decode products chose ([`crate::decode_matmul::Kernel`]), whose
+//!   kernels take the keys after the last whole tile and the probability-weighted sum of
+//!   values; the exponentials are the prefill softmax's ([`crate::fused::exp_from_max`]). The
+//!   result agrees with the general path within f32 rounding, not bit for bit, and a sequence's
+//!   scores still depend only on its own length (tests).
 
 use std::ops::Range;
 
@@ -138,32 +140,154 @@ fn attend_part(
     partial: &mut [f32],
 ) {
     let n = keys.len() / d;
-    let mut row_store: [&[f32]; PART] = [&[]; PART];
-    for (slot, row) in row_store.iter_mut().zip(keys.chunks_exact(d)) {
-        *slot = row;
-    }
-    let rows = &row_store[..n];
     let mut score_store = [0f32; PART];
     let scores = &mut score_store[..n];
-    let tile = kernel.row_tile();
-    for (head, (q, partial)) in queries
-        .chunks_exact(d)
-        .zip(partial.chunks_exact_mut(d + 2))
-        .enumerate()
-    {
-        for (t, (rows, scores)) in rows.chunks(tile).zip(scores.chunks_mut(tile)).enumerate() {
-            if head == 0 {
-                // The values this tile's scores will weight, asked for while the first query
-                // scores the keys: their misses overlap the keys' instead of following them.
-                prefetch(&values[t * tile * d..][..rows.len() * d]);
-            }
-            kernel.dots(q, Read::Cached, rows, scores);
-        }
+    // The values the scores will weight, asked for before the first query scores the keys:
+    // their misses overlap the keys' instead of following them.
+    prefetch(values);
+    for (q, partial) in queries.chunks_exact(d).zip(partial.chunks_exact_mut(d + 2)) {
+        key_scores(kernel, q, keys, scores);
         scores.iter_mut().for_each(|s| *s *= scale);
         let (max, total) = crate::fused::exp_from_max(scores);
         let (stats, acc) = partial.split_at_mut(2);
         stats.copy_from_slice(&[max, total]);
         kernel.weighted_rows(scores, values, acc);
+    }
+}
+
+/// `scores[j] = q · keys[j]` for the `scores.len()` rows of `keys`, each as long as `q`.
+///
+/// A head's query is short (64 values in our models), so summing each key's products across a
+/// vector's lanes one key at a time cost as much as the products. The vector kernels instead
+/// sum a tile of keys together, one key per lane of the result ([`KEY_TILE_AVX512`] keys on
+/// AVX-512, [`KEY_TILE_AVX2`] on AVX2), when `q` fills whole vectors; the keys after the last
+/// whole tile, and other widths, take the decode products' [`Kernel::dots`]. Each kernel sums
+/// in its own order, so scores agree across kernels within f32 rounding (tests).
+fn key_scores(kernel: Kernel, q: &[f32], keys: &[f32], scores: &mut [f32]) {
+    let d = q.len();
+    assert_eq!(keys.len(), scores.len() * d, "key scores: lengths");
+    let tiled = match kernel {
+        // SAFETY (both): `detect` chose the kernel only after finding its features; each call
+        // gets a whole tile of keys as long as `q`, which fills whole vectors.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512 if d.is_multiple_of(16) => {
+            let tiles = scores.len() / KEY_TILE_AVX512;
+            for (t, out) in scores.chunks_exact_mut(KEY_TILE_AVX512).enumerate() {
+                let tile = &keys[t * KEY_TILE_AVX512 * d..][..KEY_TILE_AVX512 * d];
+                unsafe { wide::key_tile(q, tile, out) };
+            }
+            tiles * KEY_TILE_AVX512
+        }
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 if d.is_multiple_of(8) => {
+            let tiles = scores.len() / KEY_TILE_AVX2;
+            for (t, out) in scores.chunks_exact_mut(KEY_TILE_AVX2).enumerate() {
+                let tile = &keys[t * KEY_TILE_AVX2 * d..][..KEY_TILE_AVX2 * d];
+                unsafe { narrow::key_tile(q, tile, out) };
+            }
+            tiles * KEY_TILE_AVX2
+        }
+        _ => 0,
+    };
+    let rest: Vec<&[f32]> = keys[tiled * d..].chunks_exact(d.max(1)).collect();
+    for (rows, out) in rest
+        .chunks(kernel.row_tile())
+        .zip(scores[tiled..].chunks_mut(kernel.row_tile()))
+    {
+        kernel.dots(q, Read::Cached, rows, out);
+    }
+}
+
+/// Keys scored together by the AVX-512 kernel: one per lane.
+const KEY_TILE_AVX512: usize = 16;
+/// Keys scored together by the AVX2 kernel: one per lane.
+const KEY_TILE_AVX2: usize = 8;
+
+/// [`key_scores`] for one tile of sixteen keys in AVX-512.
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use std::arch::x86_64::*;
+
+    use super::KEY_TILE_AVX512 as TILE;
+
+    /// # Safety
+    /// The CPU has AVX-512F; `keys` holds sixteen rows as long as `q`, a multiple of 16.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn key_tile(q: &[f32], keys: &[f32], out: &mut [f32]) {
+        let d = q.len();
+        debug_assert!(d.is_multiple_of(16) && keys.len() == TILE * d && out.len() == TILE);
+        let mut acc = [_mm512_setzero_ps(); TILE];
+        for c in (0..d).step_by(16) {
+            // SAFETY: c + 16 <= d, the length of `q` and of every key row.
+            let qv = unsafe { _mm512_loadu_ps(q.as_ptr().add(c)) };
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let k = unsafe { _mm512_loadu_ps(keys.as_ptr().add(j * d + c)) };
+                *acc = _mm512_fmadd_ps(qv, k, *acc);
+            }
+        }
+        // Sixteen registers to one, halving the lanes each key spreads over at every step:
+        // neighbours' 32-bit lanes, then 64-bit pairs, then 128-bit quarters twice; the
+        // result holds key j's sum in lane j.
+        let pairs: [__m512; 8] = std::array::from_fn(|i| {
+            let (a, b) = (acc[2 * i], acc[2 * i + 1]);
+            _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b))
+        });
+        let quads: [__m512; 4] = std::array::from_fn(|i| {
+            let (a, b) = (
+                _mm512_castps_pd(pairs[2 * i]),
+                _mm512_castps_pd(pairs[2 * i + 1]),
+            );
+            _mm512_add_ps(
+                _mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)),
+            )
+        });
+        let fold = |a: __m512, b: __m512| {
+            _mm512_add_ps(
+                _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b),
+                _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b),
+            )
+        };
+        let sums = fold(fold(quads[0], quads[1]), fold(quads[2], quads[3]));
+        // SAFETY: `out` holds sixteen values.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), sums) };
+    }
+}
+
+/// [`key_scores`] for one tile of eight keys in AVX2.
+#[cfg(target_arch = "x86_64")]
+mod narrow {
+    use std::arch::x86_64::*;
+
+    use super::KEY_TILE_AVX2 as TILE;
+
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `keys` holds eight rows as long as `q`, a multiple of 8.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn key_tile(q: &[f32], keys: &[f32], out: &mut [f32]) {
+        let d = q.len();
+        debug_assert!(d.is_multiple_of(8) && keys.len() == TILE * d && out.len() == TILE);
+        let mut acc = [_mm256_setzero_ps(); TILE];
+        for c in (0..d).step_by(8) {
+            // SAFETY: c + 8 <= d, the length of `q` and of every key row.
+            let qv = unsafe { _mm256_loadu_ps(q.as_ptr().add(c)) };
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let k = unsafe { _mm256_loadu_ps(keys.as_ptr().add(j * d + c)) };
+                *acc = _mm256_fmadd_ps(qv, k, *acc);
+            }
+        }
+        // Pairwise horizontal adds, twice, leave keys 0-3 in `low` (in lane j of each 128-bit
+        // half, key j's sum over that half's lanes) and keys 4-7 in `high`; adding the halves
+        // ends it.
+        let h = |a, b| _mm256_hadd_ps(a, b);
+        let low = h(h(acc[0], acc[1]), h(acc[2], acc[3]));
+        let high = h(h(acc[4], acc[5]), h(acc[6], acc[7]));
+        let sums = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(low, high),
+            _mm256_permute2f128_ps::<0x31>(low, high),
+        );
+        // SAFETY: `out` holds eight values.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), sums) };
     }
 }
 
@@ -216,6 +340,39 @@ mod tests {
                 (state >> 40) as f32 / (1u64 << 23) as f32 * 4.0 - 2.0
             })
             .collect()
+    }
+
+    /// Every kernel this CPU has scores keys as the exact dot products do, within f32
+    /// rounding: whole tiles and the keys after them, and widths that fill whole vectors of
+    /// either kind or neither.
+    #[test]
+    fn key_scores_are_the_dot_products_on_every_kernel() {
+        for kernel in Kernel::supported() {
+            for d in [8usize, 16, 24, 40, 64, 128] {
+                for n in [1usize, 7, 8, 9, 15, 16, 17, 33, 64] {
+                    let q = random(d, d as u64);
+                    let keys = random(n * d, (n * 1000 + d) as u64);
+                    let mut scores = vec![f32::NAN; n];
+                    key_scores(kernel, &q, &keys, &mut scores);
+                    for (j, (score, key)) in scores.iter().zip(keys.chunks_exact(d)).enumerate() {
+                        let exact: f64 = q
+                            .iter()
+                            .zip(key)
+                            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                            .sum();
+                        let bound: f64 = q
+                            .iter()
+                            .zip(key)
+                            .map(|(a, b)| f64::from((a * b).abs()))
+                            .sum();
+                        assert!(
+                            (f64::from(*score) - exact).abs() <= 1e-6 * bound,
+                            "{kernel:?}, d {d}, {n} keys, key {j}: {score} against {exact}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// Against candle's composed attention (repeated KV heads, matmul, softmax, matmul) over

@@ -144,7 +144,8 @@ pub(crate) enum Read {
     Cached,
 }
 
-/// The dot-product kernel of this CPU (also used by decode attention for its scores).
+/// The dot-product kernel of this CPU (decode attention also runs on the instruction set it
+/// names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Kernel {
     Scalar,
@@ -166,6 +167,22 @@ impl Kernel {
             }
         }
         Self::Scalar
+    }
+
+    /// Every kernel this CPU can run, the scalar one first.
+    #[cfg(test)]
+    pub(crate) fn supported() -> Vec<Self> {
+        let mut kernels = vec![Self::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                kernels.push(Self::Avx2);
+            }
+            if is_x86_feature_detected!("avx512f") {
+                kernels.push(Self::Avx512);
+            }
+        }
+        kernels
     }
 
     /// Activation rows per pass over a weight row: two accumulators per row must stay in
@@ -416,20 +433,6 @@ mod tests {
         Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
     }
 
-    fn kernels() -> Vec<Kernel> {
-        let mut kernels = vec![Kernel::Scalar];
-        #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                kernels.push(Kernel::Avx2);
-            }
-            if is_x86_feature_detected!("avx512f") {
-                kernels.push(Kernel::Avx512);
-            }
-        }
-        kernels
-    }
-
     /// Each copied row starts on a cache line and holds the row's values, for widths that fill
     /// whole lines and widths that do not.
     #[test]
@@ -449,7 +452,7 @@ mod tests {
     /// than a tile and inner lengths with and without a tail past the last full vector.
     #[test]
     fn every_kernel_agrees_with_candles_product() {
-        assert!(kernels().contains(&Kernel::detect()));
+        assert!(Kernel::supported().contains(&Kernel::detect()));
         for (batch, k, out) in [(1, 256, 768), (3, 37, 50), (8, 256, 1536), (9, 100, 7)] {
             let x = random((batch, 1, k), k as u64);
             let w = random((1, out, k), out as u64).squeeze(0).unwrap();
@@ -463,7 +466,7 @@ mod tests {
                 .unwrap();
             let xs: Vec<f32> = x.flatten_all().unwrap().to_vec1().unwrap();
             let ws: Vec<f32> = w.flatten_all().unwrap().to_vec1().unwrap();
-            for kernel in kernels() {
+            for kernel in Kernel::supported() {
                 let ours = matmul_with(kernel, &ws, &xs, (batch, k, out));
                 for (i, (a, b)) in ours.iter().zip(&reference).enumerate() {
                     assert!(
@@ -503,7 +506,7 @@ mod tests {
                 .unwrap();
             let p: Vec<f32> = p.flatten_all().unwrap().to_vec1().unwrap();
             let rows: Vec<f32> = rows.flatten_all().unwrap().to_vec1().unwrap();
-            for kernel in kernels() {
+            for kernel in Kernel::supported() {
                 let mut out = vec![f32::NAN; d];
                 kernel.weighted_rows(&p, &rows, &mut out);
                 for (i, (a, b)) in out.iter().zip(&reference).enumerate() {
