@@ -142,11 +142,23 @@ fn attend_part(
     let n = keys.len() / d;
     let mut score_store = [0f32; PART];
     let scores = &mut score_store[..n];
-    // The values the scores will weight, asked for before the first query scores the keys:
-    // their misses overlap the keys' instead of following them.
-    prefetch(values);
-    for (q, partial) in queries.chunks_exact(d).zip(partial.chunks_exact_mut(d + 2)) {
-        key_scores(kernel, q, keys, scores);
+    for (head, (q, partial)) in queries
+        .chunks_exact(d)
+        .zip(partial.chunks_exact_mut(d + 2))
+        .enumerate()
+    {
+        let chunks = keys
+            .chunks(KEY_TILE_AVX512 * d)
+            .zip(scores.chunks_mut(KEY_TILE_AVX512));
+        for (c, (keys, scores)) in chunks.enumerate() {
+            if head == 0 {
+                // The values these keys' scores will weight, asked for while the first query
+                // scores them: their misses overlap the keys' instead of following them (asking
+                // for the whole part's at once stalled on the misses it had asked for).
+                prefetch(&values[c * KEY_TILE_AVX512 * d..][..scores.len() * d]);
+            }
+            key_scores(kernel, q, keys, scores);
+        }
         scores.iter_mut().for_each(|s| *s *= scale);
         let (max, total) = crate::fused::exp_from_max(scores);
         let (stats, acc) = partial.split_at_mut(2);
