@@ -6,7 +6,7 @@
 //! The shapes are those of `models/sample` (hidden 256, MLP 768, vocabulary 8192, 4 heads of 64)
 //! training on micro-batches of 8 x 127 tokens, their backward products, and batch-8 decode.
 
-use std::time::Instant;
+mod common;
 
 use candle_core::{Device, Tensor};
 
@@ -25,28 +25,17 @@ const SHAPES: [(&str, usize, usize, usize, usize); 10] = [
 ];
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let reps = args
-        .iter()
-        .position(|a| a == "--reps")
-        .and_then(|i| args.get(i + 1))
-        .map_or(20, |r| r.parse().expect("--reps takes a number"));
+    let reps = common::reps(20);
     for (name, batch, m, k, n) in SHAPES {
         let a = Tensor::randn(0f32, 1.0, (batch, m, k), &Device::Cpu).unwrap();
         let b = Tensor::randn(0f32, 1.0, (batch, k, n), &Device::Cpu).unwrap();
-        a.matmul(&b).unwrap();
-        let mut times: Vec<f64> = (0..reps)
-            .map(|_| {
-                let started = Instant::now();
-                a.matmul(&b).unwrap();
-                started.elapsed().as_secs_f64()
-            })
-            .collect();
-        times.sort_by(f64::total_cmp);
+        let seconds = common::median_seconds(reps, || {
+            a.matmul(&b).unwrap();
+        });
         println!(
             "{}",
             serde_json::json!({"shape": name, "batch": batch, "m": m, "k": k, "n": n,
-                               "seconds": times[times.len() / 2]})
+                               "seconds": seconds})
         );
     }
 }

@@ -6,7 +6,7 @@
 //! The layers' matrices (at most 1.1 MB each) stay in cache between calls, so their rates
 //! measure the kernels' arithmetic; the output head (30 MB) streams from memory.
 
-use std::time::Instant;
+mod common;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -22,12 +22,7 @@ const SHAPES: [(&str, usize, usize, GgmlDType); 5] = [
 ];
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let reps = args
-        .iter()
-        .position(|a| a == "--reps")
-        .and_then(|i| args.get(i + 1))
-        .map_or(200, |r| r.parse().expect("--reps takes a number"));
+    let reps = common::reps(200);
     for (name, out, k, format) in SHAPES {
         let w = Tensor::randn(0f32, 1.0, (out, k), &Device::Cpu).unwrap();
         let q = QTensor::quantize(&w, format).unwrap();
@@ -35,16 +30,9 @@ fn main() {
         let linear = Linear::quantized(q).unwrap();
         for rows in [1, 8] {
             let x = Tensor::randn(0f32, 1.0, (rows, 1, k), &Device::Cpu).unwrap();
-            linear.forward(&x).unwrap();
-            let mut times: Vec<f64> = (0..reps)
-                .map(|_| {
-                    let started = Instant::now();
-                    linear.forward(&x).unwrap();
-                    started.elapsed().as_secs_f64()
-                })
-                .collect();
-            times.sort_by(f64::total_cmp);
-            let seconds = times[times.len() / 2];
+            let seconds = common::median_seconds(reps, || {
+                linear.forward(&x).unwrap();
+            });
             println!(
                 "{}",
                 serde_json::json!({"shape": name, "format": format!("{format:?}"), "rows": rows,
