@@ -167,7 +167,8 @@ fn attend_part(
     }
 }
 
-/// `scores[j] = q · keys[j]` for the `scores.len()` rows of `keys`, each as long as `q`.
+/// `scores[j] = q · keys[j]` for the `scores.len()` rows of `keys` (at most a part's), each as
+/// long as `q`.
 ///
 /// A head's query is short (64 values in our models), so summing each key's products across a
 /// vector's lanes one key at a time cost as much as the products. The vector kernels instead
@@ -178,6 +179,7 @@ fn attend_part(
 fn key_scores(kernel: Kernel, q: &[f32], keys: &[f32], scores: &mut [f32]) {
     let d = q.len();
     assert_eq!(keys.len(), scores.len() * d, "key scores: lengths");
+    assert!(scores.len() <= PART, "key scores: more keys than a part");
     let tiled = match kernel {
         // SAFETY (both): `detect` chose the kernel only after finding its features; each call
         // gets a whole tile of keys as long as `q`, which fills whole vectors.
@@ -201,7 +203,14 @@ fn key_scores(kernel: Kernel, q: &[f32], keys: &[f32], scores: &mut [f32]) {
         }
         _ => 0,
     };
-    let rest: Vec<&[f32]> = keys[tiled * d..].chunks_exact(d.max(1)).collect();
+    let mut row_store: [&[f32]; PART] = [&[]; PART];
+    let rest = &mut row_store[..scores.len() - tiled];
+    for (slot, key) in rest
+        .iter_mut()
+        .zip(keys[tiled * d..].chunks_exact(d.max(1)))
+    {
+        *slot = key;
+    }
     for (rows, out) in rest
         .chunks(kernel.row_tile())
         .zip(scores[tiled..].chunks_mut(kernel.row_tile()))

@@ -327,8 +327,8 @@ impl Activations {
     fn quantize(kernel: Kernel, x: &[f32], nb: usize) -> Self {
         let empty = RowBuffers {
             qs: vec![ActPair([0; 64]); nb.div_ceil(2)],
-            d: vec![0.0; nb.div_ceil(SCALE_GROUP) * SCALE_GROUP],
-            s: vec![0.0; nb.div_ceil(SCALE_GROUP) * SCALE_GROUP],
+            d: vec![0.0; nb.next_multiple_of(SCALE_GROUP)],
+            s: vec![0.0; nb.next_multiple_of(SCALE_GROUP)],
         };
         let mut rows = vec![empty; x.len() / (nb * QK)];
         crate::team::chunks_in_parallel(&mut rows, 1, |i, row| {
