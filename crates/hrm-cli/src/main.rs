@@ -101,6 +101,34 @@ fn init_logging(default_level: &str) {
         .init();
 }
 
+/// What the allocator keeps of the memory a subcommand frees (glibc only; see [`tune_malloc`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FreedMemory {
+    /// glibc's own rules (the hub, the tools, the benchmark clients).
+    Returned,
+    /// Inference: blocks under 32 MiB always come from the heap, and up to 1 GiB of freed heap
+    /// is kept for the next pass.
+    KeptUpTo1GiB,
+    /// Training: no block from `mmap`, no heap ever trimmed.
+    AllKept,
+}
+
+impl FreedMemory {
+    fn for_command(command: &Command) -> Self {
+        use bench::BenchCommand as Bench;
+        match command {
+            Command::Train(_) | Command::Worker(_) | Command::Bench(Bench::TrainRun(_)) => {
+                Self::AllKept
+            }
+            Command::Serve(_)
+            | Command::Generate(_)
+            | Command::Score(_)
+            | Command::Bench(Bench::ModelRun(_) | Bench::Perplexity(_)) => Self::KeptUpTo1GiB,
+            _ => Self::Returned,
+        }
+    }
+}
+
 /// glibc's allocator settings for this process.
 ///
 /// glibc gives threads their own heap arenas (up to eight per core) and keeps what each arena
@@ -119,23 +147,41 @@ fn init_logging(default_level: &str) {
 /// memory-cgroup charging). No `mmap` and no trimming take that to 120,000, a third less system
 /// time and 0.96× the wall time there; the HRM-Text configs' steps are unchanged
 /// (docs/performance.md). An operator's own `MALLOC_MMAP_MAX_` or `MALLOC_TRIM_THRESHOLD_` wins.
+///
+/// Inference keeps less, because a server runs for weeks on requests of every size. glibc's
+/// sliding rule (each freed `mmap` block raises the threshold to its size, and the trim
+/// threshold to twice that) left a batch-8 prefill of `models/sample` faulting its activations
+/// in again on every pass: 48,500 page faults a `hrm bench model` run, where a fixed 32 MiB
+/// threshold (glibc's ceiling) and a 1 GiB trim threshold take 29,800, and that prefill ran
+/// 1.14× as fast in one series of alternations with the same binary (1.02× in another; the
+/// GGUF's passes within ±8%; docs/performance.md). Blocks over 32 MiB still come from `mmap`
+/// and go back on `free`. An operator's own `MALLOC_MMAP_THRESHOLD_` or
+/// `MALLOC_TRIM_THRESHOLD_` wins.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
-fn tune_malloc(trains: bool) {
+fn tune_malloc(freed: FreedMemory) {
     let unset = |name: &str| std::env::var_os(name).is_none();
-    // SAFETY (all): mallopt only sets an allocator parameter; it runs before any other thread.
+    // SAFETY: mallopt only sets an allocator parameter; it runs before any other thread.
+    let set = |param, value| unsafe { libc::mallopt(param, value) };
     if unset("MALLOC_ARENA_MAX") {
-        unsafe { libc::mallopt(libc::M_ARENA_MAX, 2) };
+        set(libc::M_ARENA_MAX, 2);
     }
-    if trains && unset("MALLOC_MMAP_MAX_") && unset("MALLOC_TRIM_THRESHOLD_") {
-        unsafe {
-            libc::mallopt(libc::M_MMAP_MAX, 0);
-            libc::mallopt(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
+    match freed {
+        FreedMemory::AllKept if unset("MALLOC_MMAP_MAX_") && unset("MALLOC_TRIM_THRESHOLD_") => {
+            set(libc::M_MMAP_MAX, 0);
+            set(libc::M_TRIM_THRESHOLD, libc::c_int::MAX);
         }
+        FreedMemory::KeptUpTo1GiB
+            if unset("MALLOC_MMAP_THRESHOLD_") && unset("MALLOC_TRIM_THRESHOLD_") =>
+        {
+            set(libc::M_MMAP_THRESHOLD, 32 << 20);
+            set(libc::M_TRIM_THRESHOLD, 1 << 30);
+        }
+        _ => {}
     }
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-fn tune_malloc(_trains: bool) {}
+fn tune_malloc(_freed: FreedMemory) {}
 
 /// The matches of the subcommand at `path`, which clap has already checked is the one given.
 fn subcommand<'a>(matches: &'a ArgMatches, path: &[&str]) -> &'a ArgMatches {
@@ -150,10 +196,7 @@ fn main() -> ExitCode {
     // file is layered in.
     let matches = Cli::command().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
-    tune_malloc(matches!(
-        cli.command,
-        Command::Train(_) | Command::Worker(_) | Command::Bench(bench::BenchCommand::TrainRun(_))
-    ));
+    tune_malloc(FreedMemory::for_command(&cli.command));
     hrm_wire::install_tls_provider();
     let result = match cli.command {
         Command::Serve(args) => serve::run(*args, subcommand(&matches, &["serve"])),
@@ -191,5 +234,45 @@ mod tests {
     #[test]
     fn the_command_line_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn each_subcommand_keeps_the_freed_memory_its_work_reuses() {
+        let freed = |args: &[&str]| {
+            let cli = Cli::try_parse_from([&["hrm"], args].concat()).expect("valid arguments");
+            FreedMemory::for_command(&cli.command)
+        };
+        assert_eq!(
+            freed(&["serve", "--model-path", "m"]),
+            FreedMemory::KeptUpTo1GiB
+        );
+        assert_eq!(
+            freed(&[
+                "score",
+                "--model-path",
+                "m",
+                "--context",
+                "a",
+                "--continuation",
+                "b"
+            ]),
+            FreedMemory::KeptUpTo1GiB
+        );
+        let train_run = [
+            "bench",
+            "train-run",
+            "--config",
+            "c",
+            "--batch-size",
+            "2",
+            "--micro-batch",
+            "1",
+            "--seq-len",
+            "8",
+            "--steps",
+            "1",
+        ];
+        assert_eq!(freed(&train_run), FreedMemory::AllKept);
+        assert_eq!(freed(&["hub", "versions"]), FreedMemory::Returned);
     }
 }
