@@ -180,28 +180,16 @@ fn key_scores(kernel: Kernel, q: &[f32], keys: &[f32], scores: &mut [f32]) {
     let d = q.len();
     assert_eq!(keys.len(), scores.len() * d, "key scores: lengths");
     assert!(scores.len() <= PART, "key scores: more keys than a part");
-    let tiled = match kernel {
-        // SAFETY (both): `detect` chose the kernel only after finding its features; each call
-        // gets a whole tile of keys as long as `q`, which fills whole vectors.
-        #[cfg(target_arch = "x86_64")]
-        Kernel::Avx512 if d.is_multiple_of(16) => {
-            let tiles = scores.len() / KEY_TILE_AVX512;
-            for (t, out) in scores.chunks_exact_mut(KEY_TILE_AVX512).enumerate() {
-                let tile = &keys[t * KEY_TILE_AVX512 * d..][..KEY_TILE_AVX512 * d];
-                unsafe { wide::key_tile(q, tile, out) };
+    let tiled = match tile_kernel(kernel, d) {
+        Some((tile, score_tile)) => {
+            for (t, out) in scores.chunks_exact_mut(tile).enumerate() {
+                // SAFETY: `tile_kernel` names a kernel whose features `detect` found, for a `q`
+                // that fills whole vectors; each call gets a whole tile of keys as long as `q`.
+                unsafe { score_tile(q, &keys[t * tile * d..][..tile * d], out) };
             }
-            tiles * KEY_TILE_AVX512
+            scores.len() / tile * tile
         }
-        #[cfg(target_arch = "x86_64")]
-        Kernel::Avx2 if d.is_multiple_of(8) => {
-            let tiles = scores.len() / KEY_TILE_AVX2;
-            for (t, out) in scores.chunks_exact_mut(KEY_TILE_AVX2).enumerate() {
-                let tile = &keys[t * KEY_TILE_AVX2 * d..][..KEY_TILE_AVX2 * d];
-                unsafe { narrow::key_tile(q, tile, out) };
-            }
-            tiles * KEY_TILE_AVX2
-        }
-        _ => 0,
+        None => 0,
     };
     let mut row_store: [&[f32]; PART] = [&[]; PART];
     let rest = &mut row_store[..scores.len() - tiled];
@@ -216,6 +204,21 @@ fn key_scores(kernel: Kernel, q: &[f32], keys: &[f32], scores: &mut [f32]) {
         .zip(scores[tiled..].chunks_mut(kernel.row_tile()))
     {
         kernel.dots(q, Read::Cached, rows, out);
+    }
+}
+
+/// One tile's scores: `(q, keys, out)` as [`wide::key_tile`] and [`narrow::key_tile`] take them.
+type TileScores = unsafe fn(&[f32], &[f32], &mut [f32]);
+
+/// The keys per tile and the tile kernel of `kernel` for queries of `d` values, where one
+/// applies (`q` must fill whole vectors).
+fn tile_kernel(kernel: Kernel, d: usize) -> Option<(usize, TileScores)> {
+    match kernel {
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512 if d.is_multiple_of(16) => Some((KEY_TILE_AVX512, wide::key_tile)),
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 if d.is_multiple_of(8) => Some((KEY_TILE_AVX2, narrow::key_tile)),
+        _ => None,
     }
 }
 

@@ -316,21 +316,31 @@ struct Activations {
 }
 
 /// One row of [`Activations`].
-#[derive(Clone)]
 struct RowBuffers {
     qs: Vec<ActPair>,
     d: Vec<f32>,
     s: Vec<f32>,
 }
 
+impl RowBuffers {
+    /// Zeroed buffers for a row of `nb` blocks, padded as [`Activations`] says.
+    fn zeroed(nb: usize) -> Self {
+        let scales = nb.next_multiple_of(SCALE_GROUP);
+        Self {
+            qs: vec![ActPair([0; 64]); nb.div_ceil(2)],
+            d: vec![0.0; scales],
+            s: vec![0.0; scales],
+        }
+    }
+}
+
 impl Activations {
     fn quantize(kernel: Kernel, x: &[f32], nb: usize) -> Self {
-        let empty = RowBuffers {
-            qs: vec![ActPair([0; 64]); nb.div_ceil(2)],
-            d: vec![0.0; nb.next_multiple_of(SCALE_GROUP)],
-            s: vec![0.0; nb.next_multiple_of(SCALE_GROUP)],
-        };
-        let mut rows = vec![empty; x.len() / (nb * QK)];
+        // Each row's buffers allocated once (a decode step's single row runs this for every
+        // product), not made once and cloned.
+        let mut rows: Vec<RowBuffers> = (0..x.len() / (nb * QK))
+            .map(|_| RowBuffers::zeroed(nb))
+            .collect();
         crate::team::chunks_in_parallel(&mut rows, 1, |i, row| {
             let row = &mut row[0];
             for (b, block) in x[i * nb * QK..][..nb * QK]
