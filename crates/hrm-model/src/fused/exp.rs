@@ -1,14 +1,20 @@
-//! `exp` over rows of f32, eight lanes at a time on AVX2 with FMA, for the fused kernels'
-//! softmax, SiLU, gates and cross-entropy: glibc's `expf` is scalar, and was 5% of a training
-//! step's samples.
+//! `exp` over rows of f32, eight lanes at a time on AVX2 with FMA and sixteen on AVX-512, for
+//! the fused kernels' softmax, SiLU, gates and cross-entropy: glibc's `expf` is scalar, and was
+//! 5% of a training step's samples.
 //!
 //! The arithmetic (Cephes' `expf`): `n = floor(x · log2(e) + 1/2)`, `r = x - n · ln2` in two
 //! parts, a degree-5 polynomial in `r` by Horner's rule with fused multiply-adds, times `2ⁿ`.
-//! The scalar twin runs the same operations with `mul_add`, so both give the same bits; both
-//! are within 2 ulp of the correctly rounded `exp` (test). Outside the range: NaN stays NaN,
-//! below −87.34 gives 0 (where `exp` would underflow to below f32's smallest normal), above 88
-//! gives +∞ (`exp` is finite to 88.72; the callers only feed it `x − max ≤ 0` or the negated
-//! argument of a sigmoid, where +∞ gives the right limit).
+//! Every path ([`Path`]) runs the same operations, so all give the same bits; all are within 2
+//! ulp of the correctly rounded `exp` (test). Outside the range: NaN stays NaN, below −87.34
+//! gives 0 (where `exp` would underflow to below f32's smallest normal), above 88 gives +∞ (`exp`
+//! is finite to 88.72; the callers only feed it `x − max ≤ 0` or the negated argument of a
+//! sigmoid, where +∞ gives the right limit).
+//!
+//! A softmax row's maximum is found in one pass ([`max`]), and the row is shifted,
+//! exponentiated and summed in one more ([`exp_shifted`]) rather than three. The vector paths
+//! sum in one accumulator per lane, so the sum's rounding depends on the path (within f32's
+//! rounding of a sum of positive terms, test); a strict left-to-right sum would chain one
+//! dependent add per value.
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// ln 2 split in two, so that `x - n · ln2` loses nothing for |n| up to 128.
@@ -44,15 +50,84 @@ fn exp_scalar(x: f32) -> f32 {
     y * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
+/// The instruction set the vector paths run on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Path {
+    /// The fastest path this CPU runs, found once per process.
+    fn detect() -> Self {
+        static FASTEST: std::sync::OnceLock<Path> = std::sync::OnceLock::new();
+        *FASTEST.get_or_init(|| *Self::supported().last().expect("scalar runs anywhere"))
+    }
+
+    /// Every path this CPU runs, slowest first.
+    fn supported() -> Vec<Self> {
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
+        let mut paths = vec![Self::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+                paths.push(Self::Avx2);
+            }
+            if is_x86_feature_detected!("avx512f") {
+                paths.push(Self::Avx512);
+            }
+        }
+        paths
+    }
+
+    fn max(self, xs: &[f32]) -> f32 {
+        match self {
+            Self::Scalar => xs.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+            // SAFETY: `supported` found the features each path needs.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => unsafe { avx2::max(xs) },
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => unsafe { avx512::max(xs) },
+        }
+    }
+
+    fn exp_shifted(self, xs: &mut [f32], shift: f32) -> f32 {
+        match self {
+            Self::Scalar => exp_shifted_scalar(xs, shift, 0.0),
+            // SAFETY: `supported` found the features each path needs.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => unsafe { avx2::exp_shifted(xs, shift) },
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => unsafe { avx512::exp_shifted(xs, shift) },
+        }
+    }
+}
+
+/// `x ← exp(x − shift)` one value at a time; returns `sum` plus the results.
+fn exp_shifted_scalar(xs: &mut [f32], shift: f32, sum: f32) -> f32 {
+    xs.iter_mut().fold(sum, |sum, x| {
+        *x = exp_scalar(*x - shift);
+        sum + *x
+    })
+}
+
+/// The largest value of `xs` (−∞ for none). A NaN among them may or may not be the answer,
+/// depending on the path: either way the softmax of such a row is NaN throughout.
+pub(super) fn max(xs: &[f32]) -> f32 {
+    Path::detect().max(xs)
+}
+
+/// `x ← exp(x − shift)` for every value of `xs`; returns the sum of the results.
+pub(super) fn exp_shifted(xs: &mut [f32], shift: f32) -> f32 {
+    Path::detect().exp_shifted(xs, shift)
+}
+
 /// `x ← exp(x)` for every value of `xs`.
 pub(super) fn exp_in_place(xs: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        // SAFETY: the CPU has the features just checked.
-        unsafe { avx2::exp_in_place(xs) };
-        return;
-    }
-    xs.iter_mut().for_each(|x| *x = exp_scalar(*x));
+    exp_shifted(xs, 0.0);
 }
 
 /// `x ← 1 / (1 + exp(-x))` for every value of `xs`.
@@ -66,18 +141,47 @@ pub(super) fn sigmoid_in_place(xs: &mut [f32]) {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{HIGHEST, LN2_HI, LN2_LO, LOG2E, LOWEST, POLY, exp_scalar};
+    use super::{HIGHEST, LN2_HI, LN2_LO, LOG2E, LOWEST, POLY, exp_shifted_scalar};
 
     /// # Safety
     /// The CPU has AVX2 and FMA.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn exp_in_place(xs: &mut [f32]) {
+    pub(super) unsafe fn exp_shifted(xs: &mut [f32], shift: f32) -> f32 {
         let (lanes, tail) = xs.as_chunks_mut::<8>();
+        let by = _mm256_set1_ps(shift);
+        let mut sums = _mm256_setzero_ps();
         for chunk in lanes {
             // SAFETY: the chunk holds the eight values loaded and stored.
-            unsafe { _mm256_storeu_ps(chunk.as_mut_ptr(), exp8(_mm256_loadu_ps(chunk.as_ptr()))) };
+            unsafe {
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(chunk.as_ptr()), by));
+                sums = _mm256_add_ps(sums, e);
+                _mm256_storeu_ps(chunk.as_mut_ptr(), e);
+            }
         }
-        tail.iter_mut().for_each(|x| *x = exp_scalar(*x));
+        let mut lane_sums = [0.0f32; 8];
+        // SAFETY: eight values stored into eight.
+        unsafe { _mm256_storeu_ps(lane_sums.as_mut_ptr(), sums) };
+        exp_shifted_scalar(tail, shift, lane_sums.iter().sum())
+    }
+
+    /// # Safety
+    /// The CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn max(xs: &[f32]) -> f32 {
+        let (lanes, tail) = xs.as_chunks::<8>();
+        let mut most = _mm256_set1_ps(f32::NEG_INFINITY);
+        for chunk in lanes {
+            // SAFETY: the chunk holds the eight values loaded.
+            most = _mm256_max_ps(most, unsafe { _mm256_loadu_ps(chunk.as_ptr()) });
+        }
+        let mut lane_most = [0.0f32; 8];
+        // SAFETY: eight values stored into eight.
+        unsafe { _mm256_storeu_ps(lane_most.as_mut_ptr(), most) };
+        lane_most
+            .iter()
+            .chain(tail)
+            .copied()
+            .fold(f32::NEG_INFINITY, f32::max)
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -112,6 +216,80 @@ mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{HIGHEST, LN2_HI, LN2_LO, LOG2E, LOWEST, POLY};
+
+    /// The last chunk is loaded and stored under a mask, so no value takes a scalar path.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn exp_shifted(xs: &mut [f32], shift: f32) -> f32 {
+        let by = _mm512_set1_ps(shift);
+        let mut sums = _mm512_setzero_ps();
+        for chunk in xs.chunks_mut(16) {
+            let mask: __mmask16 = (1u32 << chunk.len()).wrapping_sub(1) as __mmask16;
+            // SAFETY: the mask covers the chunk's values and no more.
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(mask, chunk.as_ptr());
+                let e = exp16(_mm512_sub_ps(x, by));
+                sums = _mm512_mask_add_ps(sums, mask, sums, e);
+                _mm512_mask_storeu_ps(chunk.as_mut_ptr(), mask, e);
+            }
+        }
+        let mut lane_sums = [0.0f32; 16];
+        // SAFETY: sixteen values stored into sixteen.
+        unsafe { _mm512_storeu_ps(lane_sums.as_mut_ptr(), sums) };
+        lane_sums.iter().sum()
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn max(xs: &[f32]) -> f32 {
+        let mut most = _mm512_set1_ps(f32::NEG_INFINITY);
+        for chunk in xs.chunks(16) {
+            let mask: __mmask16 = (1u32 << chunk.len()).wrapping_sub(1) as __mmask16;
+            // SAFETY: the mask covers the chunk's values and no more.
+            let x = unsafe { _mm512_maskz_loadu_ps(mask, chunk.as_ptr()) };
+            most = _mm512_mask_max_ps(most, mask, most, x);
+        }
+        _mm512_reduce_max_ps(most)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    fn exp16(x: __m512) -> __m512 {
+        let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x);
+        let low = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(LOWEST));
+        let high = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(HIGHEST));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(
+            _mm512_fmadd_ps(x, _mm512_set1_ps(LOG2E), _mm512_set1_ps(0.5)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+        let mut y = _mm512_set1_ps(POLY[0]);
+        for &p in &POLY[1..] {
+            y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(p));
+        }
+        let y = _mm512_add_ps(
+            _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r),
+            _mm512_set1_ps(1.0),
+        );
+        // Out-of-range lanes compute garbage exponents here; the masked moves below replace them.
+        let power = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+            _mm512_cvttps_epi32(n),
+            _mm512_set1_epi32(127),
+        )));
+        let result = _mm512_mul_ps(y, power);
+        let result = _mm512_mask_mov_ps(result, low, _mm512_setzero_ps());
+        let result = _mm512_mask_mov_ps(result, high, _mm512_set1_ps(f32::INFINITY));
+        _mm512_mask_mov_ps(result, nan, x)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -121,21 +299,17 @@ mod tests {
     }
 
     /// Against the correctly rounded `exp` (f64, rounded once) over the whole range, on every
-    /// path this CPU has, and the specials.
+    /// path this CPU has, and the specials; every path gives the scalar path's bits, and its sum
+    /// is the exact sum to within f32's rounding, for lengths that leave every size of tail.
     #[test]
     fn within_two_ulp_of_exp_and_the_same_bits_on_every_path() {
         let mut xs: Vec<f32> = (0..200_001)
             .map(|i| LOWEST + (HIGHEST - LOWEST) * i as f32 / 200_000.0)
             .collect();
         xs.extend([0.0, -0.0, 1.0, -1.0, 1e-8, -1e-8, 0.5, -0.5]);
-        let mut fast = xs.clone();
-        exp_in_place(&mut fast);
-        for (&x, &e) in xs.iter().zip(&fast) {
-            assert_eq!(
-                e.to_bits(),
-                exp_scalar(x).to_bits(),
-                "exp({x}): vector and scalar"
-            );
+        let mut reference = xs.clone();
+        Path::Scalar.exp_shifted(&mut reference, 0.0);
+        for (&x, &e) in xs.iter().zip(&reference) {
             let exact = (x as f64).exp() as f32;
             assert!(
                 ulps(e, exact) <= 2,
@@ -151,11 +325,37 @@ mod tests {
             f32::INFINITY,
             f32::MAX,
         ];
-        let mut out = specials;
-        exp_in_place(&mut out);
-        assert!(out[0].is_nan());
-        assert_eq!(&out[1..4], &[0.0; 3]);
-        assert_eq!(&out[4..], &[f32::INFINITY; 3]);
+        for path in Path::supported() {
+            let mut fast = xs.clone();
+            path.exp_shifted(&mut fast, 0.0);
+            for ((&x, &e), &r) in xs.iter().zip(&fast).zip(&reference) {
+                assert_eq!(e.to_bits(), r.to_bits(), "{path:?}: exp({x})");
+            }
+            let mut out = specials;
+            path.exp_shifted(&mut out, 0.0);
+            assert!(out[0].is_nan(), "{path:?}");
+            assert_eq!(&out[1..4], &[0.0; 3], "{path:?}");
+            assert_eq!(&out[4..], &[f32::INFINITY; 3], "{path:?}");
+            for len in 0..40 {
+                let row: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin() * 5.0).collect();
+                assert_eq!(
+                    path.max(&row),
+                    Path::Scalar.max(&row),
+                    "{path:?}: max of {len} values"
+                );
+                let shift = 2.5;
+                let mut shifted = row.clone();
+                let sum = path.exp_shifted(&mut shifted, shift);
+                let exact: f64 = row.iter().map(|&x| ((x - shift) as f64).exp()).sum();
+                assert!(
+                    (sum as f64 - exact).abs() <= exact * 1e-6,
+                    "{path:?}, {len} values: sum {sum}, exact {exact}"
+                );
+                for (&x, &e) in row.iter().zip(&shifted) {
+                    assert_eq!(e.to_bits(), exp_scalar(x - shift).to_bits(), "{path:?}");
+                }
+            }
+        }
         assert_eq!(exp_scalar(0.0), 1.0);
         let mut s = [0.0, 100.0, -100.0, 2.0];
         sigmoid_in_place(&mut s);

@@ -504,20 +504,18 @@ fn softmax_row(y: &mut [f32], x: &[f32]) {
 /// way, and decode attention its first half ([`exp_from_max`]) over each part of a cache.
 pub(crate) fn softmax_in_place(x: &mut [f32]) {
     let (_, total) = exp_from_max(x);
+    // One division and a multiply per value: a division per value was a third of the row's time.
+    let inverse = total.recip();
     for x in x.iter_mut() {
-        *x /= total;
+        *x *= inverse;
     }
 }
 
 /// `x ← exp(x − max(x))`, the softmax before its division. Returns the input's maximum and the
 /// sum of the exponentials, so that a row softmaxed in parts can be merged.
 pub(crate) fn exp_from_max(x: &mut [f32]) -> (f32, f32) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    for x in x.iter_mut() {
-        *x -= max;
-    }
-    exp::exp_in_place(x);
-    (max, x.iter().sum())
+    let max = exp::max(x);
+    (max, exp::exp_shifted(x, max))
 }
 
 /// `dx = y (g - sum(g y))`: the input gradient of one softmax row from its output `y` and the
@@ -713,15 +711,29 @@ impl CustomOp3 for RopeOp {
 
 /// One head's row `x` rotated by the angles `cos`, `sin` (`head_dim / 2` each) into `out`; with
 /// `sin` negated, the rotation back.
+///
+/// Each layout's loop runs over zipped slices, with no index to check, so that the compiler turns
+/// the halves' loop into vector code (it was 3% of a batch-8 prefill as an indexed loop).
 fn rotate(layout: RopeLayout, x: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32]) {
-    let half = x.len() / 2;
-    for i in 0..half {
-        let (a, b) = match layout {
-            RopeLayout::Halves => (i, i + half),
-            RopeLayout::Interleaved => (2 * i, 2 * i + 1),
-        };
-        out[a] = x[a] * cos[i] - x[b] * sin[i];
-        out[b] = x[a] * sin[i] + x[b] * cos[i];
+    let turn = |(a, b): (f32, f32), (&c, &s): (&f32, &f32)| (a * c - b * s, a * s + b * c);
+    let angles = cos.iter().zip(sin);
+    match layout {
+        RopeLayout::Halves => {
+            let half = x.len() / 2;
+            let (x1, x2) = x.split_at(half);
+            let (out1, out2) = out.split_at_mut(half);
+            let pairs = x1.iter().zip(x2).map(|(&a, &b)| (a, b));
+            for (((o1, o2), pair), angle) in out1.iter_mut().zip(out2).zip(pairs).zip(angles) {
+                (*o1, *o2) = turn(pair, angle);
+            }
+        }
+        RopeLayout::Interleaved => {
+            let pairs = x.as_chunks::<2>().0.iter().map(|&[a, b]| (a, b));
+            for ((o, pair), angle) in out.as_chunks_mut::<2>().0.iter_mut().zip(pairs).zip(angles) {
+                let (a, b) = turn(pair, angle);
+                *o = [a, b];
+            }
+        }
     }
 }
 
@@ -1472,10 +1484,8 @@ struct CrossEntropyOp {
 
 /// `(max, log(sum(exp(x - max))))` of one row: `logsumexp(x) = max + log_total`.
 fn log_sum_exp_parts(row: &[f32]) -> (f32, f32) {
-    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut shifted: Vec<f32> = row.iter().map(|&x| x - max).collect();
-    exp::exp_in_place(&mut shifted);
-    (max, shifted.iter().sum::<f32>().ln())
+    let (max, total) = exp_from_max(&mut row.to_vec());
+    (max, total.ln())
 }
 
 impl CustomOp1 for CrossEntropyOp {
