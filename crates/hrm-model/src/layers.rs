@@ -501,6 +501,9 @@ pub struct SwiGlu {
 
 impl SwiGlu {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some((gate_up, down)) = self.tracked_weights()? {
+            return crate::fused::swiglu_mlp(x, &gate_up, &down);
+        }
         let both = match &self.gate_up {
             GateUp::Fused(proj) => proj.forward(x)?,
             GateUp::Split { gate, up } => match stacked_for_training(&[gate, up])? {
@@ -509,6 +512,21 @@ impl SwiGlu {
             },
         };
         self.down.forward(&crate::fused::swiglu(&both)?)
+    }
+
+    /// For training (tracked dense weights), the `[gate; up]` and down weights, so that the
+    /// whole block runs as one op ([`crate::fused::swiglu_mlp`]).
+    fn tracked_weights(&self) -> Result<Option<(Tensor, Tensor)>> {
+        let down = match &self.down {
+            Linear::Dense(l) if l.weight().track_op() => l.weight(),
+            _ => return Ok(None),
+        };
+        let gate_up = match &self.gate_up {
+            GateUp::Fused(Linear::Dense(l)) if l.weight().track_op() => Some(l.weight().clone()),
+            GateUp::Fused(_) => None,
+            GateUp::Split { gate, up } => stacked_for_training(&[gate, up])?,
+        };
+        Ok(gate_up.map(|gate_up| (gate_up, down.clone())))
     }
 
     pub fn weight_bytes(&self) -> usize {

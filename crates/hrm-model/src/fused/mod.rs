@@ -54,11 +54,13 @@ mod attention;
 mod exp;
 mod head_loss;
 mod linear;
+mod mlp;
 mod routing;
 mod transpose;
 pub use attention::AttentionOp;
 pub use head_loss::head_cross_entropy;
 pub use linear::linear;
+pub use mlp::swiglu_mlp;
 pub use routing::{Routing, combine_rows, gather_rows};
 
 /// Root-mean-square normalisation without a scale, with its backward pass.
@@ -136,6 +138,16 @@ impl<'a> Rows<'a> {
             width,
             count,
         })
+    }
+
+    /// `values` as contiguous rows of `width`.
+    fn dense(values: &'a [f32], width: usize) -> Self {
+        Self {
+            values,
+            stride: width,
+            width,
+            count: values.len().checked_div(width).unwrap_or(0),
+        }
     }
 
     fn row(&self, i: usize) -> &'a [f32] {
@@ -577,16 +589,7 @@ impl CustomOp1 for SwiGluOp {
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (both, shape) = halves(storage, layout)?;
-        let width = both.width / 2;
-        let out = fill_rows(both.count, width, |i, out| {
-            let (gate, up) = both.row(i).split_at(width);
-            out.copy_from_slice(gate);
-            exp::sigmoid_in_place(out);
-            for ((out, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-                *out *= g * u;
-            }
-        });
-        Ok((CpuStorage::F32(out), shape))
+        Ok((CpuStorage::F32(swiglu_rows(&both)), shape))
     }
 
     fn bwd(
@@ -600,6 +603,37 @@ impl CustomOp1 for SwiGluOp {
             .apply_op2_no_bwd(&grad, &SwiGluGrad)
             .map(Some)
     }
+}
+
+/// `silu(gate) · up` of each `[gate | up]` row of `both`: `both.count` rows of half its width.
+fn swiglu_rows(both: &Rows) -> Vec<f32> {
+    let width = both.width / 2;
+    fill_rows(both.count, width, |i, out| {
+        let (gate, up) = both.row(i).split_at(width);
+        out.copy_from_slice(gate);
+        exp::sigmoid_in_place(out);
+        for ((out, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+            *out *= g * u;
+        }
+    })
+}
+
+/// The gradient of [`swiglu_rows`] at `both` from the output's gradient `grad`, in `both`'s
+/// `[gate | up]` layout (contiguous).
+fn swiglu_grad_rows(both: &Rows, grad: &Rows) -> Vec<f32> {
+    let width = both.width / 2;
+    fill_rows(both.count, both.width, |i, out| {
+        let (gate, up) = both.row(i).split_at(width);
+        let (d_gate, d_up) = out.split_at_mut(width);
+        // sigmoid(gate) first, in the up half's place.
+        d_up.copy_from_slice(gate);
+        exp::sigmoid_in_place(d_up);
+        for e in 0..width {
+            let (x, u, g, s) = (gate[e], up[e], grad.row(i)[e], d_up[e]);
+            d_gate[e] = g * u * s * (1.0 + x * (1.0 - s));
+            d_up[e] = g * (x * s);
+        }
+    })
 }
 
 /// `silu(gate) · up` of `[.., 2 · width]` rows holding `[gate | up]`: on the CPU in f32 the
@@ -636,19 +670,7 @@ impl CustomOp2 for SwiGluGrad {
             return Err(error("swiglu gradient of the wrong shape"));
         }
         let grad = Rows::new(grad_storage, grad_layout)?;
-        let width = both.width / 2;
-        let out = fill_rows(both.count, both.width, |i, out| {
-            let (gate, up) = both.row(i).split_at(width);
-            let (d_gate, d_up) = out.split_at_mut(width);
-            // sigmoid(gate) first, in the up half's place.
-            d_up.copy_from_slice(gate);
-            exp::sigmoid_in_place(d_up);
-            for e in 0..width {
-                let (x, u, g, s) = (gate[e], up[e], grad.row(i)[e], d_up[e]);
-                d_gate[e] = g * u * s * (1.0 + x * (1.0 - s));
-                d_up[e] = g * (x * s);
-            }
-        });
+        let out = swiglu_grad_rows(&both, &grad);
         Ok((CpuStorage::F32(out), both_layout.shape().clone()))
     }
 }
