@@ -10,6 +10,9 @@
 //!   backward from the output (`dx = y (g - sum(g y))`).
 //! - [`SwiGluOp`]: `silu(gate) · up` over rows of `[gate | up]`, one pass forward, one pass
 //!   backward writing both halves' gradients in the same layout.
+//! - [`swiglu_mlp`]: a whole SwiGLU MLP (gate/up product, gating, down product) as one graph
+//!   node for training, so that its two widest activations get no zeroed gradient buffers from
+//!   candle's backward pass (`mlp.rs`).
 //! - [`RopeOp`]: the rotary embedding of `[batch, heads, seq, head_dim]`; its backward pass is
 //!   the same kernel turning the other way (`sin → -sin`).
 //! - [`batched_matmul`]: attention's `scale · A · B` over `[batch, heads]` of small matrices,
@@ -31,9 +34,9 @@
 //!
 //! Their products go through one gemm wrapper (`gemm_at`), which cuts large products into one
 //! block per thread and writes narrow ones column-major, moved into place by `transpose.rs`.
-//! Their `exp` is `exp.rs`'s, eight lanes at a time. Inference uses [`SoftmaxOp`] too (on the
-//! CPU in f32) and [`sigmoid`] for the attention gate, for the same `exp`: glibc's scalar
-//! `expf` behind candle's own kernels was 6% of a prefill's samples.
+//! Their `exp` is `exp.rs`'s, eight or sixteen lanes at a time. Inference uses [`SoftmaxOp`]
+//! too (on the CPU in f32) and [`sigmoid`] for the attention gate, for the same `exp`: glibc's
+//! scalar `expf` behind candle's own kernels was 6% of a prefill's samples.
 //!
 //! Each runs on f32 CPU tensors whose rows (last dimension) are contiguous at one stride, so a
 //! `narrow` of the last dimension needs no copy; callers use the composed form elsewhere. Rows,
