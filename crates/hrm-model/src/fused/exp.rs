@@ -94,6 +94,17 @@ impl Path {
         }
     }
 
+    fn sigmoid(self, xs: &mut [f32]) {
+        match self {
+            Self::Scalar => sigmoid_scalar(xs),
+            // SAFETY: `supported` found the features each path needs.
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => unsafe { avx2::sigmoid(xs) },
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512 => unsafe { avx512::sigmoid(xs) },
+        }
+    }
+
     fn exp_shifted(self, xs: &mut [f32], shift: f32) -> f32 {
         match self {
             Self::Scalar => exp_shifted_scalar(xs, shift, 0.0),
@@ -130,18 +141,22 @@ pub(super) fn exp_in_place(xs: &mut [f32]) {
     exp_shifted(xs, 0.0);
 }
 
-/// `x ← 1 / (1 + exp(-x))` for every value of `xs`.
+/// `x ← 1 / (1 + exp(-x))` one value at a time.
+fn sigmoid_scalar(xs: &mut [f32]) {
+    xs.iter_mut()
+        .for_each(|x| *x = 1.0 / (1.0 + exp_scalar(-*x)));
+}
+
+/// `x ← 1 / (1 + exp(-x))` for every value of `xs`, in one pass.
 pub(super) fn sigmoid_in_place(xs: &mut [f32]) {
-    xs.iter_mut().for_each(|x| *x = -*x);
-    exp_in_place(xs);
-    xs.iter_mut().for_each(|e| *e = 1.0 / (1.0 + *e));
+    Path::detect().sigmoid(xs);
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{HIGHEST, LN2_HI, LN2_LO, LOG2E, LOWEST, POLY, exp_shifted_scalar};
+    use super::{HIGHEST, LN2_HI, LN2_LO, LOG2E, LOWEST, POLY, exp_shifted_scalar, sigmoid_scalar};
 
     /// # Safety
     /// The CPU has AVX2 and FMA.
@@ -162,6 +177,26 @@ mod avx2 {
         // SAFETY: eight values stored into eight.
         unsafe { _mm256_storeu_ps(lane_sums.as_mut_ptr(), sums) };
         exp_shifted_scalar(tail, shift, lane_sums.iter().sum())
+    }
+
+    /// # Safety
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn sigmoid(xs: &mut [f32]) {
+        let (lanes, tail) = xs.as_chunks_mut::<8>();
+        let one = _mm256_set1_ps(1.0);
+        for chunk in lanes {
+            // SAFETY: the chunk holds the eight values loaded and stored.
+            unsafe {
+                let minus = _mm256_xor_ps(_mm256_loadu_ps(chunk.as_ptr()), _mm256_set1_ps(-0.0));
+                let e = exp8(minus);
+                _mm256_storeu_ps(
+                    chunk.as_mut_ptr(),
+                    _mm256_div_ps(one, _mm256_add_ps(one, e)),
+                );
+            }
+        }
+        sigmoid_scalar(tail);
     }
 
     /// # Safety
@@ -249,6 +284,26 @@ mod avx512 {
     /// # Safety
     /// The CPU has AVX-512F.
     #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn sigmoid(xs: &mut [f32]) {
+        let one = _mm512_set1_ps(1.0);
+        for chunk in xs.chunks_mut(16) {
+            let mask: __mmask16 = (1u32 << chunk.len()).wrapping_sub(1) as __mmask16;
+            // SAFETY: the mask covers the chunk's values and no more.
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(mask, chunk.as_ptr());
+                let e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(
+                    _mm512_castps_si512(x),
+                    _mm512_set1_epi32(i32::MIN),
+                )));
+                let s = _mm512_div_ps(one, _mm512_add_ps(one, e));
+                _mm512_mask_storeu_ps(chunk.as_mut_ptr(), mask, s);
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn max(xs: &[f32]) -> f32 {
         let mut most = _mm512_set1_ps(f32::NEG_INFINITY);
         for chunk in xs.chunks(16) {
@@ -330,6 +385,12 @@ mod tests {
             path.exp_shifted(&mut fast, 0.0);
             for ((&x, &e), &r) in xs.iter().zip(&fast).zip(&reference) {
                 assert_eq!(e.to_bits(), r.to_bits(), "{path:?}: exp({x})");
+            }
+            let mut sigmoids = xs.clone();
+            path.sigmoid(&mut sigmoids);
+            for (&x, &s) in xs.iter().zip(&sigmoids) {
+                let scalar = 1.0 / (1.0 + exp_scalar(-x));
+                assert_eq!(s.to_bits(), scalar.to_bits(), "{path:?}: sigmoid({x})");
             }
             let mut out = specials;
             path.exp_shifted(&mut out, 0.0);
