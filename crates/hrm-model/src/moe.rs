@@ -113,8 +113,7 @@ impl MoeMlp {
         let by_expert = Tensor::from_vec(by_expert, n * self.top_k, x.device())?;
 
         let expert_in = fused::gather_rows(&tokens, &routing)?;
-        let gate_up = fused::grouped_linear(&expert_in, &self.gate_up, &counts)?;
-        let expert_out = fused::grouped_linear(&fused::swiglu(&gate_up)?, &self.down, &counts)?;
+        let expert_out = fused::grouped_swiglu_mlp(&expert_in, &self.gate_up, &self.down, &counts)?;
         let out = fused::combine_rows(&expert_out, &kept.index_select(&by_expert, 0)?, &routing)?;
 
         let share: Vec<f32> = counts

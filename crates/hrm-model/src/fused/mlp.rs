@@ -1,26 +1,104 @@
 //! A SwiGLU MLP `down(silu(x · W_gᵀ) · (x · W_uᵀ))` for training on the CPU, as one op with its
-//! backward pass.
+//! backward pass: dense, or a mixture-of-experts block's experts over the rows routed to each.
 //!
-//! Composed of [`super::linear`], [`super::swiglu`] and `linear` again, the block is three graph
-//! nodes, and candle's backward pass gives each node's input a zeroed gradient buffer and adds
-//! the node's contribution into it: a `[rows, 2 · intermediate]` and a `[rows, intermediate]`
-//! buffer zeroed and added per block, the widest activations of a layer (zeroing and adding
-//! such buffers was 7–8% of a training step's samples). [`SwiGluMlpOp`] is one node: its
-//! backward pass runs the same kernels in the same order (`dW_d = gᵀ · s`, `ds = g · W_d`, the
-//! SwiGLU gradient, `dW_gu = dguᵀ · x`, `dx = dgu · W_gu`), from the gate/up projection and the
-//! gated activations its forward pass keeps, as the graph kept them before.
+//! Composed of a product, [`super::swiglu`] and a product again, the block is three graph nodes,
+//! and candle's backward pass gives each node's input a zeroed gradient buffer and adds the
+//! node's contribution into it: a `[rows, 2 · intermediate]` and a `[rows, intermediate]` buffer
+//! zeroed and added per block, the widest activations of a layer (zeroing and adding such
+//! buffers was 7–8% of a training step's samples). [`SwiGluMlpOp`] is one node: its backward
+//! pass runs the same kernels in the same order (`dW_d = gᵀ · s`, `ds = g · W_d`, the SwiGLU
+//! gradient, `dW_gu = dguᵀ · x`, `dx = dgu · W_gu`), from the gate/up projection and the gated
+//! activations its forward pass keeps, as the graph kept them before.
 //!
 //! Invariant: an op's kept activations belong to its one forward pass; its backward pass takes
 //! them, and a second backward pass without a new forward pass is an error.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 
 use super::linear::{operands, product, product_grads};
 use super::{
-    Rows, Strided, cpu_storage, error, row_readable, swiglu_grad_rows, swiglu_rows, values,
+    GroupedMatMul, GroupedPass, Rows, Strided, cpu_storage, error, row_readable, swiglu_grad_rows,
+    swiglu_rows, values,
 };
+
+/// How the block's two products are taken.
+#[derive(Clone)]
+enum Products {
+    /// One weight `[n, k]` for every row ([`super::linear`]'s kernels).
+    Dense,
+    /// One weight per expert, `[experts, n, k]`, over the rows grouped by expert, this many
+    /// rows each ([`super::grouped_linear`]'s kernels).
+    Grouped(Arc<[usize]>),
+}
+
+/// A buffer of `rows × width` values as an operand.
+fn operand(values: Vec<f32>, width: usize) -> (CpuStorage, Layout) {
+    let rows = values.len().checked_div(width).unwrap_or(0);
+    (CpuStorage::F32(values), Layout::contiguous((rows, width)))
+}
+
+fn into_values(storage: CpuStorage) -> candle_core::Result<Vec<f32>> {
+    match storage {
+        CpuStorage::F32(values) => Ok(values),
+        _ => Err(error("f32 only")),
+    }
+}
+
+impl Products {
+    fn grouped(&self, pass: GroupedPass) -> Option<GroupedMatMul> {
+        match self {
+            Self::Dense => None,
+            Self::Grouped(sizes) => Some(GroupedMatMul {
+                sizes: sizes.clone(),
+                pass,
+            }),
+        }
+    }
+
+    /// `x · wᵀ` (per expert when grouped), `rows × n` values.
+    fn forward(
+        &self,
+        (x, x_layout): (&CpuStorage, &Layout),
+        (w, w_layout): (&CpuStorage, &Layout),
+    ) -> candle_core::Result<Vec<f32>> {
+        match self.grouped(GroupedPass::Linear) {
+            None => {
+                let (x, dims) = operands(x, x_layout, w_layout)?;
+                product(&x, values(w, w_layout)?, dims)
+            }
+            Some(op) => into_values(op.cpu_fwd(x, x_layout, w, w_layout)?.0),
+        }
+    }
+
+    /// The gradients of [`Self::forward`] for `x` and for `w` from the output's gradient `g`.
+    fn grads(
+        &self,
+        (g, g_layout): (&CpuStorage, &Layout),
+        (x, x_layout): (&CpuStorage, &Layout),
+        (w, w_layout): (&CpuStorage, &Layout),
+    ) -> candle_core::Result<(Vec<f32>, Vec<f32>)> {
+        match (
+            self.grouped(GroupedPass::InputGrad),
+            self.grouped(GroupedPass::WeightGrad),
+        ) {
+            (Some(input), Some(weight)) => Ok((
+                into_values(input.cpu_fwd(g, g_layout, w, w_layout)?.0)?,
+                into_values(weight.cpu_fwd(g, g_layout, x, x_layout)?.0)?,
+            )),
+            _ => {
+                let (x, (n, k)) = operands(x, x_layout, w_layout)?;
+                let g = Rows::new(g, g_layout)?;
+                if g.width != n || g.count != x.count {
+                    return Err(error("swiglu mlp: gradient of the wrong shape"));
+                }
+                let gs = Strided::matrix(g.values, 0, 0, (g.count, n), (g.stride, 1))?;
+                product_grads(&gs, &x, values(w, w_layout)?, (n, k), 1.0)
+            }
+        }
+    }
+}
 
 /// The activations the backward pass reads: the gate/up projection (`rows × 2 · inter`) and
 /// the gated product (`rows × inter`).
@@ -29,11 +107,27 @@ struct Kept {
     gated: Vec<f32>,
 }
 
-/// `down(swiglu(x · w_gate_upᵀ))` for `x: [.., hidden]` (rows at one stride), a contiguous
-/// `w_gate_up: [2 · inter, hidden]` holding `[gate; up]` and `w_down: [hidden_out, inter]`.
-#[derive(Default)]
+/// `down(swiglu(x · w_gate_upᵀ))` for `x: [.., hidden]` (rows at one stride; 2-d when grouped),
+/// a contiguous `w_gate_up` holding `[gate; up]` (`[2 · inter, hidden]`, or one such per expert)
+/// and `w_down` (`[hidden_out, inter]`, or one per expert).
 pub struct SwiGluMlpOp {
+    products: Products,
     kept: Mutex<Option<Kept>>,
+}
+
+/// The `(2 · inter, inter, out)` of the two weights' last two dimensions, checked.
+fn widths(gate_up: &Layout, down: &Layout) -> candle_core::Result<(usize, usize, usize)> {
+    let last_two = |l: &Layout| match l.dims() {
+        [.., a, b] => Ok((*a, *b)),
+        _ => Err(error("swiglu mlp: weights of at least two dimensions")),
+    };
+    let ((both, _), (out, inter)) = (last_two(gate_up)?, last_two(down)?);
+    if both != 2 * inter {
+        return Err(error(
+            "swiglu mlp: gate/up rows are not twice the down columns",
+        ));
+    }
+    Ok((both, inter, out))
 }
 
 impl CustomOp3 for SwiGluMlpOp {
@@ -50,20 +144,16 @@ impl CustomOp3 for SwiGluMlpOp {
         down_storage: &CpuStorage,
         down_layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (x, (both, hidden)) = operands(x_storage, x_layout, gate_up_layout)?;
-        let (out, inter) = down_layout.shape().dims2()?;
-        if both != 2 * inter {
-            return Err(error(
-                "swiglu mlp: gate/up rows are not twice the down columns",
-            ));
-        }
-        let gate_up = product(&x, values(gate_up_storage, gate_up_layout)?, (both, hidden))?;
+        let (both, inter, out) = widths(gate_up_layout, down_layout)?;
+        let gate_up = self
+            .products
+            .forward((x_storage, x_layout), (gate_up_storage, gate_up_layout))?;
         let gated = swiglu_rows(&Rows::dense(&gate_up, both));
-        let y = product(
-            &Rows::dense(&gated, inter),
-            values(down_storage, down_layout)?,
-            (out, inter),
-        )?;
+        let (gated_storage, gated_layout) = operand(gated, inter);
+        let y = self
+            .products
+            .forward((&gated_storage, &gated_layout), (down_storage, down_layout))?;
+        let gated = into_values(gated_storage)?;
         *self.kept.lock().expect("mlp state") = Some(Kept { gate_up, gated });
         let mut dims = x_layout.dims().to_vec();
         *dims.last_mut().expect("rows have a last dimension") = out;
@@ -89,47 +179,76 @@ impl CustomOp3 for SwiGluMlpOp {
         let (gu_guard, gu_layout) = gate_up_w.storage_and_layout();
         let (down_guard, down_layout) = down_w.storage_and_layout();
         let (g_guard, g_layout) = grad.storage_and_layout();
-        let (x_rows, (both, hidden)) = operands(cpu_storage(&x_guard)?, x_layout, gu_layout)?;
-        let (out, inter) = down_layout.shape().dims2()?;
-        let g = Rows::new(cpu_storage(&g_guard)?, g_layout)?;
-        if g.width != out || g.count != x_rows.count || gated.len() != g.count * inter {
+        let (both, inter, _) = widths(gu_layout, down_layout)?;
+        let down = (cpu_storage(&down_guard)?, down_layout);
+        let (gated, gated_layout) = operand(gated, inter);
+        let g = (cpu_storage(&g_guard)?, g_layout);
+        let (d_gated, d_down) = self.products.grads(g, (&gated, &gated_layout), down)?;
+        if d_gated.len() * 2 != gate_up.len() {
             return Err(error("swiglu mlp: gradient of the wrong shape"));
         }
-        let gs = Strided::matrix(g.values, 0, 0, (g.count, out), (g.stride, 1))?;
-        let down_values = values(cpu_storage(&down_guard)?, down_layout)?;
-        let (d_gated, d_down) = product_grads(
-            &gs,
-            &Rows::dense(&gated, inter),
-            down_values,
-            (out, inter),
-            1.0,
-        )?;
         let d_gate_up =
             swiglu_grad_rows(&Rows::dense(&gate_up, both), &Rows::dense(&d_gated, inter));
-        let dgs = Strided::matrix(&d_gate_up, 0, 0, (g.count, both), (both, 1))?;
-        let gu_values = values(cpu_storage(&gu_guard)?, gu_layout)?;
-        let (d_x, d_gate_up_w) = product_grads(&dgs, &x_rows, gu_values, (both, hidden), 1.0)?;
+        let (d_gate_up, d_layout) = operand(d_gate_up, both);
+        let x_operand = (cpu_storage(&x_guard)?, x_layout);
+        let gate_up = (cpu_storage(&gu_guard)?, gu_layout);
+        let (d_x, d_gate_up_w) =
+            self.products
+                .grads((&d_gate_up, &d_layout), x_operand, gate_up)?;
         Ok((
             Some(Tensor::from_vec(d_x, x.shape(), x.device())?),
-            Some(Tensor::from_vec(d_gate_up_w, (both, hidden), x.device())?),
-            Some(Tensor::from_vec(d_down, (out, inter), x.device())?),
+            Some(Tensor::from_vec(
+                d_gate_up_w,
+                gate_up_w.shape(),
+                x.device(),
+            )?),
+            Some(Tensor::from_vec(d_down, down_w.shape(), x.device())?),
         ))
     }
+}
+
+fn is_cpu_f32(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == candle_core::DType::F32
+}
+
+fn apply(
+    x: &Tensor,
+    w_gate_up: &Tensor,
+    w_down: &Tensor,
+    products: Products,
+) -> candle_core::Result<Tensor> {
+    let op = SwiGluMlpOp {
+        products,
+        kept: Mutex::new(None),
+    };
+    x.apply_op3(&w_gate_up.contiguous()?, &w_down.contiguous()?, op)
 }
 
 /// `down(silu(gate) · up)` of `x`, where `x · w_gate_upᵀ` gives `[gate | up]`: one op with its
 /// backward pass on the CPU in f32, composed elsewhere.
 pub fn swiglu_mlp(x: &Tensor, w_gate_up: &Tensor, w_down: &Tensor) -> candle_core::Result<Tensor> {
-    let f32_cpu = |t: &Tensor| t.device().is_cpu() && t.dtype() == candle_core::DType::F32;
-    if f32_cpu(x) && f32_cpu(w_gate_up) && f32_cpu(w_down) {
-        row_readable(x)?.apply_op3(
-            &w_gate_up.contiguous()?,
-            &w_down.contiguous()?,
-            SwiGluMlpOp::default(),
-        )
+    if [x, w_gate_up, w_down].into_iter().all(is_cpu_f32) {
+        apply(&row_readable(x)?, w_gate_up, w_down, Products::Dense)
     } else {
         let gated = super::swiglu(&super::linear(x, w_gate_up)?)?;
         super::linear(&gated, w_down)
+    }
+}
+
+/// [`swiglu_mlp`] per expert: `x: [rows, hidden]` holds the rows routed to each expert, grouped
+/// by expert (`group_sizes` of them each), `w_gate_up: [experts, 2 · inter, hidden]` and
+/// `w_down: [experts, out, inter]`.
+pub fn grouped_swiglu_mlp(
+    x: &Tensor,
+    w_gate_up: &Tensor,
+    w_down: &Tensor,
+    group_sizes: &[usize],
+) -> candle_core::Result<Tensor> {
+    if [x, w_gate_up, w_down].into_iter().all(is_cpu_f32) {
+        apply(x, w_gate_up, w_down, Products::Grouped(group_sizes.into()))
+    } else {
+        let gate_up = super::grouped_linear(x, w_gate_up, group_sizes)?;
+        super::grouped_linear(&super::swiglu(&gate_up)?, w_down, group_sizes)
     }
 }
 
@@ -164,6 +283,38 @@ mod tests {
             let weights = random(&mut rng, (2, rows / 2, hidden), -1.0..1.0);
             let ours = grads_of(&fused, &weights, &[&wide, &gate_up, &down]);
             let theirs = grads_of(&composed, &weights, &[&wide, &gate_up, &down]);
+            for (a, b) in ours.iter().zip(&theirs) {
+                close(a, b, 1e-4);
+            }
+        }
+    }
+
+    /// Per expert, against the composed per-expert products and SwiGLU (one product per
+    /// expert): values and the three gradients, with an expert that receives no rows.
+    #[test]
+    fn grouped_values_and_gradients_are_the_composed_experts() {
+        let mut rng = StdRng::seed_from_u64(33);
+        for (sizes, hidden, inter) in [(vec![5, 0, 9, 2], 24, 20), (vec![120, 200], 96, 64)] {
+            let rows: usize = sizes.iter().sum();
+            let x = random_var(&mut rng, (rows, hidden), -2.0..2.0);
+            let gate_up = random_var(&mut rng, (sizes.len(), 2 * inter, hidden), -0.5..0.5);
+            let down = random_var(&mut rng, (sizes.len(), hidden, inter), -0.5..0.5);
+            let (xt, gu, dw) = (x.as_tensor(), gate_up.as_tensor(), down.as_tensor());
+            let composed = super::super::grouped_linear_composed(
+                &super::super::swiglu(
+                    &super::super::grouped_linear_composed(xt, gu, &sizes).unwrap(),
+                )
+                .unwrap(),
+                dw,
+                &sizes,
+            )
+            .unwrap();
+            let fused = grouped_swiglu_mlp(xt, gu, dw, &sizes).unwrap();
+            assert_eq!(fused.dims(), &[rows, hidden]);
+            close(&fused, &composed, 1e-5);
+            let weights = random(&mut rng, (rows, hidden), -1.0..1.0);
+            let ours = grads_of(&fused, &weights, &[&x, &gate_up, &down]);
+            let theirs = grads_of(&composed, &weights, &[&x, &gate_up, &down]);
             for (a, b) in ours.iter().zip(&theirs) {
                 close(a, b, 1e-4);
             }

@@ -10,9 +10,10 @@
 //!   backward from the output (`dx = y (g - sum(g y))`).
 //! - [`SwiGluOp`]: `silu(gate) · up` over rows of `[gate | up]`, one pass forward, one pass
 //!   backward writing both halves' gradients in the same layout.
-//! - [`swiglu_mlp`]: a whole SwiGLU MLP (gate/up product, gating, down product) as one graph
-//!   node for training, so that its two widest activations get no zeroed gradient buffers from
-//!   candle's backward pass (`mlp.rs`).
+//! - [`swiglu_mlp`] and [`grouped_swiglu_mlp`]: a whole SwiGLU MLP (gate/up product, gating,
+//!   down product; dense, or per expert over the rows routed to each) as one graph node for
+//!   training, so that its two widest activations get no zeroed gradient buffers from candle's
+//!   backward pass (`mlp.rs`).
 //! - [`RopeOp`]: the rotary embedding of `[batch, heads, seq, head_dim]`; its backward pass is
 //!   the same kernel turning the other way (`sin → -sin`).
 //! - [`batched_matmul`]: attention's `scale · A · B` over `[batch, heads]` of small matrices,
@@ -63,7 +64,7 @@ mod transpose;
 pub use attention::AttentionOp;
 pub use head_loss::head_cross_entropy;
 pub use linear::linear;
-pub use mlp::swiglu_mlp;
+pub use mlp::{grouped_swiglu_mlp, swiglu_mlp};
 pub use routing::{Routing, combine_rows, gather_rows};
 
 /// Root-mean-square normalisation without a scale, with its backward pass.
