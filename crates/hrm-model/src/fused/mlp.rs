@@ -49,28 +49,24 @@ fn into_values(storage: CpuStorage) -> candle_core::Result<Vec<f32>> {
 }
 
 impl Products {
-    fn grouped(&self, pass: GroupedPass) -> Option<GroupedMatMul> {
-        match self {
-            Self::Dense => None,
-            Self::Grouped(sizes) => Some(GroupedMatMul {
-                sizes: sizes.clone(),
-                pass,
-            }),
-        }
-    }
-
     /// `x · wᵀ` (per expert when grouped), `rows × n` values.
     fn forward(
         &self,
         (x, x_layout): (&CpuStorage, &Layout),
         (w, w_layout): (&CpuStorage, &Layout),
     ) -> candle_core::Result<Vec<f32>> {
-        match self.grouped(GroupedPass::Linear) {
-            None => {
+        match self {
+            Self::Dense => {
                 let (x, dims) = operands(x, x_layout, w_layout)?;
                 product(&x, values(w, w_layout)?, dims)
             }
-            Some(op) => into_values(op.cpu_fwd(x, x_layout, w, w_layout)?.0),
+            Self::Grouped(sizes) => {
+                let op = GroupedMatMul {
+                    sizes: sizes.clone(),
+                    pass: GroupedPass::Linear,
+                };
+                into_values(op.cpu_fwd(x, x_layout, w, w_layout)?.0)
+            }
         }
     }
 
@@ -81,15 +77,8 @@ impl Products {
         (x, x_layout): (&CpuStorage, &Layout),
         (w, w_layout): (&CpuStorage, &Layout),
     ) -> candle_core::Result<(Vec<f32>, Vec<f32>)> {
-        match (
-            self.grouped(GroupedPass::InputGrad),
-            self.grouped(GroupedPass::WeightGrad),
-        ) {
-            (Some(input), Some(weight)) => Ok((
-                into_values(input.cpu_fwd(g, g_layout, w, w_layout)?.0)?,
-                into_values(weight.cpu_fwd(g, g_layout, x, x_layout)?.0)?,
-            )),
-            _ => {
+        match self {
+            Self::Dense => {
                 let (x, (n, k)) = operands(x, x_layout, w_layout)?;
                 let g = Rows::new(g, g_layout)?;
                 if g.width != n || g.count != x.count {
@@ -97,6 +86,15 @@ impl Products {
                 }
                 let gs = Strided::matrix(g.values, 0, 0, (g.count, n), (g.stride, 1))?;
                 product_grads(&gs, &x, values(w, w_layout)?, (n, k), 1.0)
+            }
+            Self::Grouped(sizes) => {
+                let pass = |pass| GroupedMatMul {
+                    sizes: sizes.clone(),
+                    pass,
+                };
+                let input = pass(GroupedPass::InputGrad).cpu_fwd(g, g_layout, w, w_layout)?;
+                let weight = pass(GroupedPass::WeightGrad).cpu_fwd(g, g_layout, x, x_layout)?;
+                Ok((into_values(input.0)?, into_values(weight.0)?))
             }
         }
     }

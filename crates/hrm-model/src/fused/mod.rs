@@ -520,7 +520,8 @@ fn softmax_row(y: &mut [f32], x: &[f32]) {
 /// way, and decode attention its first half ([`exp_from_max`]) over each part of a cache.
 pub(crate) fn softmax_in_place(x: &mut [f32]) {
     let (_, total) = exp_from_max(x);
-    // One division and a multiply per value: a division per value was a third of the row's time.
+    // One division per row and a multiply per value: a division per value was a third of the
+    // row's time.
     let inverse = total.recip();
     for x in x.iter_mut() {
         *x *= inverse;
@@ -739,7 +740,7 @@ impl CustomOp3 for RopeOp {
 /// `sin` negated, the rotation back.
 ///
 /// Each layout's loop runs over zipped slices, with no index to check, so that the compiler turns
-/// the halves' loop into vector code (it was 3% of a batch-8 prefill as an indexed loop).
+/// the halves' loop into vector code; what is left of its time is loading the projection's rows.
 fn rotate(layout: RopeLayout, x: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32]) {
     let turn = |(a, b): (f32, f32), (&c, &s): (&f32, &f32)| (a * c - b * s, a * s + b * c);
     let angles = cos.iter().zip(sin);
