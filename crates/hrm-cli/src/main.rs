@@ -154,9 +154,9 @@ impl FreedMemory {
 /// in again on every pass: 48,500 page faults a `hrm bench model` run, where a fixed 32 MiB
 /// threshold (glibc's ceiling) and a 1 GiB trim threshold take 29,800, and that prefill ran
 /// 1.14× as fast in one series of alternations with the same binary (1.02× in another; the
-/// GGUF's passes within ±8%), on a 2-core AMD EPYC of family 25 model 1 (docs/performance.md). Blocks over 32 MiB still come from `mmap`
-/// and go back on `free`. An operator's own `MALLOC_MMAP_THRESHOLD_` or
-/// `MALLOC_TRIM_THRESHOLD_` wins.
+/// GGUF's passes within ±8%), on a 2-core AMD EPYC of family 25 model 1 (docs/performance.md).
+/// Blocks over 32 MiB still come from `mmap` and go back on `free`. An operator's own
+/// `MALLOC_MMAP_THRESHOLD_` or `MALLOC_TRIM_THRESHOLD_` wins.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn tune_malloc(freed: FreedMemory) {
     let unset = |name: &str| std::env::var_os(name).is_none();

@@ -411,7 +411,7 @@ vector_kernel!(
 /// The sum of an AVX register's eight lanes.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn sum_256(v: std::arch::x86_64::__m256) -> f32 {
+pub(crate) fn sum_256(v: std::arch::x86_64::__m256) -> f32 {
     use std::arch::x86_64::*;
     let halves = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let pairs = _mm_add_ps(halves, _mm_movehl_ps(halves, halves));

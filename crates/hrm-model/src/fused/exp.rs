@@ -4,7 +4,8 @@
 //!
 //! The arithmetic (Cephes' `expf`): `n = floor(x · log2(e) + 1/2)`, `r = x - n · ln2` in two
 //! parts, a degree-5 polynomial in `r` by Horner's rule with fused multiply-adds, times `2ⁿ`.
-//! Every path ([`Path`]) runs the same operations, so all give the same bits; all are within 2
+//! Every path (scalar, AVX2, AVX-512: the instruction set [`Kernel`] finds, as decode's dot
+//! products use) runs the same operations, so all give the same bits; all are within 2
 //! ulp of the correctly rounded `exp` (test). Outside the range: NaN stays NaN, below −87.34
 //! gives 0 (where `exp` would underflow to below f32's smallest normal), above 88 gives +∞ (`exp`
 //! is finite to 88.72; the callers only feed it `x − max ≤ 0` or the negated argument of a
@@ -15,6 +16,8 @@
 //! sum in one accumulator per lane, so the sum's rounding depends on the path (within f32's
 //! rounding of a sum of positive terms, test); a strict left-to-right sum would chain one
 //! dependent add per value.
+
+use crate::decode_matmul::Kernel;
 
 const LOG2E: f32 = std::f32::consts::LOG2_E;
 /// ln 2 split in two, so that `x - n · ln2` loses nothing for |n| up to 128.
@@ -50,70 +53,40 @@ fn exp_scalar(x: f32) -> f32 {
     y * f32::from_bits(((n as i32 + 127) as u32) << 23)
 }
 
-/// The instruction set the vector paths run on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Path {
-    Scalar,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
+/// The largest value of `xs` on `kernel`'s instruction set.
+fn max_on(kernel: Kernel, xs: &[f32]) -> f32 {
+    match kernel {
+        Kernel::Scalar => xs.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+        // SAFETY (each arm): `Kernel::detect` and `Kernel::supported` name only instruction
+        // sets that this CPU has.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => unsafe { avx2::max(xs) },
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512 => unsafe { avx512::max(xs) },
+    }
 }
 
-impl Path {
-    /// The fastest path this CPU runs, found once per process.
-    fn detect() -> Self {
-        static FASTEST: std::sync::OnceLock<Path> = std::sync::OnceLock::new();
-        *FASTEST.get_or_init(|| *Self::supported().last().expect("scalar runs anywhere"))
-    }
-
-    /// Every path this CPU runs, slowest first.
-    fn supported() -> Vec<Self> {
-        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
-        let mut paths = vec![Self::Scalar];
+/// [`sigmoid_in_place`] on `kernel`'s instruction set.
+fn sigmoid_on(kernel: Kernel, xs: &mut [f32]) {
+    match kernel {
+        Kernel::Scalar => sigmoid_scalar(xs),
+        // SAFETY (each arm): as in `max_on`.
         #[cfg(target_arch = "x86_64")]
-        {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-                paths.push(Self::Avx2);
-            }
-            if is_x86_feature_detected!("avx512f") {
-                paths.push(Self::Avx512);
-            }
-        }
-        paths
+        Kernel::Avx2 => unsafe { avx2::sigmoid(xs) },
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512 => unsafe { avx512::sigmoid(xs) },
     }
+}
 
-    fn max(self, xs: &[f32]) -> f32 {
-        match self {
-            Self::Scalar => xs.iter().copied().fold(f32::NEG_INFINITY, f32::max),
-            // SAFETY: `supported` found the features each path needs.
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => unsafe { avx2::max(xs) },
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx512 => unsafe { avx512::max(xs) },
-        }
-    }
-
-    fn sigmoid(self, xs: &mut [f32]) {
-        match self {
-            Self::Scalar => sigmoid_scalar(xs),
-            // SAFETY: `supported` found the features each path needs.
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => unsafe { avx2::sigmoid(xs) },
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx512 => unsafe { avx512::sigmoid(xs) },
-        }
-    }
-
-    fn exp_shifted(self, xs: &mut [f32], shift: f32) -> f32 {
-        match self {
-            Self::Scalar => exp_shifted_scalar(xs, shift, 0.0),
-            // SAFETY: `supported` found the features each path needs.
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx2 => unsafe { avx2::exp_shifted(xs, shift) },
-            #[cfg(target_arch = "x86_64")]
-            Self::Avx512 => unsafe { avx512::exp_shifted(xs, shift) },
-        }
+/// [`exp_shifted`] on `kernel`'s instruction set.
+fn exp_shifted_on(kernel: Kernel, xs: &mut [f32], shift: f32) -> f32 {
+    match kernel {
+        Kernel::Scalar => exp_shifted_scalar(xs, shift, 0.0),
+        // SAFETY (each arm): as in `max_on`.
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => unsafe { avx2::exp_shifted(xs, shift) },
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512 => unsafe { avx512::exp_shifted(xs, shift) },
     }
 }
 
@@ -128,12 +101,12 @@ fn exp_shifted_scalar(xs: &mut [f32], shift: f32, sum: f32) -> f32 {
 /// The largest value of `xs` (−∞ for none). A NaN among them may or may not be the answer,
 /// depending on the path: either way the softmax of such a row is NaN throughout.
 pub(super) fn max(xs: &[f32]) -> f32 {
-    Path::detect().max(xs)
+    max_on(Kernel::detect(), xs)
 }
 
 /// `x ← exp(x − shift)` for every value of `xs`; returns the sum of the results.
 pub(super) fn exp_shifted(xs: &mut [f32], shift: f32) -> f32 {
-    Path::detect().exp_shifted(xs, shift)
+    exp_shifted_on(Kernel::detect(), xs, shift)
 }
 
 /// `x ← exp(x)` for every value of `xs`.
@@ -149,7 +122,7 @@ fn sigmoid_scalar(xs: &mut [f32]) {
 
 /// `x ← 1 / (1 + exp(-x))` for every value of `xs`, in one pass.
 pub(super) fn sigmoid_in_place(xs: &mut [f32]) {
-    Path::detect().sigmoid(xs);
+    sigmoid_on(Kernel::detect(), xs);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -173,10 +146,7 @@ mod avx2 {
                 _mm256_storeu_ps(chunk.as_mut_ptr(), e);
             }
         }
-        let mut lane_sums = [0.0f32; 8];
-        // SAFETY: eight values stored into eight.
-        unsafe { _mm256_storeu_ps(lane_sums.as_mut_ptr(), sums) };
-        exp_shifted_scalar(tail, shift, lane_sums.iter().sum())
+        exp_shifted_scalar(tail, shift, crate::decode_matmul::sum_256(sums))
     }
 
     /// # Safety
@@ -275,10 +245,7 @@ mod avx512 {
                 _mm512_mask_storeu_ps(chunk.as_mut_ptr(), mask, e);
             }
         }
-        let mut lane_sums = [0.0f32; 16];
-        // SAFETY: sixteen values stored into sixteen.
-        unsafe { _mm512_storeu_ps(lane_sums.as_mut_ptr(), sums) };
-        lane_sums.iter().sum()
+        _mm512_reduce_add_ps(sums)
     }
 
     /// # Safety
@@ -363,7 +330,7 @@ mod tests {
             .collect();
         xs.extend([0.0, -0.0, 1.0, -1.0, 1e-8, -1e-8, 0.5, -0.5]);
         let mut reference = xs.clone();
-        Path::Scalar.exp_shifted(&mut reference, 0.0);
+        exp_shifted_on(Kernel::Scalar, &mut reference, 0.0);
         for (&x, &e) in xs.iter().zip(&reference) {
             let exact = (x as f64).exp() as f32;
             assert!(
@@ -380,33 +347,33 @@ mod tests {
             f32::INFINITY,
             f32::MAX,
         ];
-        for path in Path::supported() {
+        for path in Kernel::supported() {
             let mut fast = xs.clone();
-            path.exp_shifted(&mut fast, 0.0);
+            exp_shifted_on(path, &mut fast, 0.0);
             for ((&x, &e), &r) in xs.iter().zip(&fast).zip(&reference) {
                 assert_eq!(e.to_bits(), r.to_bits(), "{path:?}: exp({x})");
             }
             let mut sigmoids = xs.clone();
-            path.sigmoid(&mut sigmoids);
+            sigmoid_on(path, &mut sigmoids);
             for (&x, &s) in xs.iter().zip(&sigmoids) {
                 let scalar = 1.0 / (1.0 + exp_scalar(-x));
                 assert_eq!(s.to_bits(), scalar.to_bits(), "{path:?}: sigmoid({x})");
             }
             let mut out = specials;
-            path.exp_shifted(&mut out, 0.0);
+            exp_shifted_on(path, &mut out, 0.0);
             assert!(out[0].is_nan(), "{path:?}");
             assert_eq!(&out[1..4], &[0.0; 3], "{path:?}");
             assert_eq!(&out[4..], &[f32::INFINITY; 3], "{path:?}");
             for len in 0..40 {
                 let row: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin() * 5.0).collect();
                 assert_eq!(
-                    path.max(&row),
-                    Path::Scalar.max(&row),
+                    max_on(path, &row),
+                    max_on(Kernel::Scalar, &row),
                     "{path:?}: max of {len} values"
                 );
                 let shift = 2.5;
                 let mut shifted = row.clone();
-                let sum = path.exp_shifted(&mut shifted, shift);
+                let sum = exp_shifted_on(path, &mut shifted, shift);
                 let exact: f64 = row.iter().map(|&x| ((x - shift) as f64).exp()).sum();
                 assert!(
                     (sum as f64 - exact).abs() <= exact * 1e-6,

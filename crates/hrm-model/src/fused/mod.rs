@@ -521,7 +521,7 @@ fn softmax_row(y: &mut [f32], x: &[f32]) {
 pub(crate) fn softmax_in_place(x: &mut [f32]) {
     let (_, total) = exp_from_max(x);
     // One division per row and a multiply per value: a division per value was a third of the
-    // row's time.
+    // row's time (batch-8 prefill, Intel Xeon with AVX-512).
     let inverse = total.recip();
     for x in x.iter_mut() {
         *x *= inverse;
