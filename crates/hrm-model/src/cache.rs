@@ -18,12 +18,15 @@ use crate::Logits;
 /// Each slot keeps `[1, kv_heads, capacity, head_dim]` buffers whose first `len` positions hold
 /// the cache. An append writes its tokens in place and doubles the capacity when the buffers are
 /// full, so a decode step copies its one new token rather than the whole cache, and growing to
-/// `n` tokens copies at most `2n`. Not `Clone`: two caches sharing buffers would write over
-/// each other.
+/// `n` tokens copies at most `2n`. The buffers hold the cache's own dtype (f16 for a GGUF model
+/// on the CPU, [`crate::ModelInfo::cache_dtype`]): an append rounds to it, and attention reads
+/// the rounded values back in the pass's dtype. Not `Clone`: two caches sharing buffers would
+/// write over each other.
 #[derive(Debug)]
 pub struct SeqCache {
     slots: Vec<Option<SlotBuffers>>,
     len: usize,
+    dtype: DType,
 }
 
 #[derive(Debug)]
@@ -58,7 +61,7 @@ impl SlotBuffers {
     }
 }
 
-/// A `[b, h, capacity, d]` buffer holding the first `len` positions of `t`.
+/// A `[b, h, capacity, d]` buffer of `t`'s dtype holding the first `len` positions of `t`.
 fn grown(t: &Tensor, len: usize, capacity: usize) -> Result<Tensor> {
     let (b, h, _, d) = t.dims4()?;
     let buffer = Tensor::zeros((b, h, capacity, d), t.dtype(), t.device())?;
@@ -69,10 +72,12 @@ fn grown(t: &Tensor, len: usize, capacity: usize) -> Result<Tensor> {
 }
 
 impl SeqCache {
-    pub fn new(num_slots: usize) -> Self {
+    /// An empty cache of `num_slots` slots whose buffers hold `dtype`.
+    pub fn new(num_slots: usize, dtype: DType) -> Self {
         Self {
             slots: (0..num_slots).map(|_| None).collect(),
             len: 0,
+            dtype,
         }
     }
 
@@ -85,12 +90,13 @@ impl SeqCache {
         self.len == 0
     }
 
-    /// Appends `[1, kv_heads, new, head_dim]` keys and values to `slot` and returns the slot's
-    /// whole cache (views of its buffers).
+    /// Appends `[1, kv_heads, new, head_dim]` keys and values to `slot`, rounded to the cache's
+    /// dtype, and returns the slot's whole cache (views of its buffers, in the cache's dtype).
     fn append(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let Some(entry) = self.slots.get_mut(slot) else {
             candle_core::bail!("KV-cache slot {slot} out of range ({})", self.slots.len())
         };
+        let (k, v) = (&k.to_dtype(self.dtype)?, &v.to_dtype(self.dtype)?);
         let new = k.dim(2)?;
         let buffers = match entry {
             Some(buffers) => buffers,
@@ -242,8 +248,8 @@ impl<'c> ForwardBatch<'c> {
         let mut values = Vec::with_capacity(self.rows.len());
         for (k_all, v_all) in self.append(slot, k, v)? {
             let missing = self.kv_len - k_all.dim(2)?;
-            keys.push(pad_left(&k_all, missing)?);
-            values.push(pad_left(&v_all, missing)?);
+            keys.push(pad_left(&k_all.to_dtype(k.dtype())?, missing)?);
+            values.push(pad_left(&v_all.to_dtype(v.dtype())?, missing)?);
         }
         if keys.len() == 1 {
             return Ok((keys.remove(0), values.remove(0)));
@@ -335,8 +341,12 @@ impl<'c> ForwardBatch<'c> {
         let mut views = Vec::with_capacity(batch);
         for (slot, ((keys, k_layout), (values, v_layout))) in slots.iter().zip(&storages) {
             views.push(crate::decode_attention::CacheView {
-                keys: crate::fused::values(crate::fused::cpu_storage(keys)?, k_layout)?,
-                values: crate::fused::values(crate::fused::cpu_storage(values)?, v_layout)?,
+                buffers: buffers(
+                    crate::fused::cpu_storage(keys)?,
+                    k_layout,
+                    crate::fused::cpu_storage(values)?,
+                    v_layout,
+                )?,
                 capacity: slot.keys.dim(2)?,
                 len: slot.len,
             });
@@ -362,6 +372,35 @@ impl<'c> ForwardBatch<'c> {
         for (row, cache) in self.rows.iter().zip(self.caches.iter_mut()) {
             cache.len = row.past + self.seq_len - row.padding;
         }
+    }
+}
+
+/// A slot's contiguous key and value buffers as decode attention reads them, in the dtype the
+/// cache stores.
+fn buffers<'a>(
+    keys: &'a candle_core::CpuStorage,
+    k_layout: &candle_core::Layout,
+    values: &'a candle_core::CpuStorage,
+    v_layout: &candle_core::Layout,
+) -> Result<crate::decode_attention::Buffers<'a>> {
+    use candle_core::CpuStorage;
+    let range = |layout: &candle_core::Layout| {
+        layout
+            .contiguous_offsets()
+            .map(|(start, end)| start..end)
+            .ok_or_else(|| candle_core::Error::msg("KV cache: buffers not contiguous"))
+    };
+    let (k_range, v_range) = (range(k_layout)?, range(v_layout)?);
+    match (keys, values) {
+        (CpuStorage::F32(k), CpuStorage::F32(v)) => Ok(crate::decode_attention::Buffers::F32 {
+            keys: &k[k_range],
+            values: &v[v_range],
+        }),
+        (CpuStorage::F16(k), CpuStorage::F16(v)) => Ok(crate::decode_attention::Buffers::F16 {
+            keys: &k[k_range],
+            values: &v[v_range],
+        }),
+        _ => candle_core::bail!("KV cache: decode attention reads f32 or f16 buffers only"),
     }
 }
 
@@ -471,7 +510,7 @@ mod tests {
                 .transpose(1, 2)
                 .unwrap()
         };
-        let mut cache = SeqCache::new(2);
+        let mut cache = SeqCache::new(2, DType::F32);
         let mut appended = vec![token(0, 5)];
         let (k, _) = cache
             .append(1, &appended[0], &(&appended[0] * 2.0).unwrap())
@@ -506,6 +545,47 @@ mod tests {
         assert!(err.to_string().contains("slot 2 out of range"), "{err}");
     }
 
+    /// An f16 cache holds its appends rounded to f16, across a growth, and hands them back in
+    /// its own dtype: the same values as an f32 cache of the rounded inputs.
+    #[test]
+    fn an_f16_cache_keeps_its_appends_rounded() {
+        let thirds = |start: usize, count: usize| {
+            let values: Vec<f32> = (start..start + count * 6)
+                .map(|v| v as f32 / 3.0 + 1000.0)
+                .collect();
+            Tensor::from_vec(values, (1, 2, count, 3), &Device::Cpu).unwrap()
+        };
+        let mut cache = SeqCache::new(1, DType::F16);
+        let mut appended = vec![thirds(0, 3)];
+        cache.append(0, &appended[0], &appended[0]).unwrap();
+        for t in 3..MIN_CAPACITY + 3 {
+            appended.push(thirds(t * 6, 1));
+            let (k, v) = cache
+                .append(0, appended.last().unwrap(), appended.last().unwrap())
+                .unwrap();
+            assert_eq!((k.dtype(), v.dtype()), (DType::F16, DType::F16));
+            let rounded: Vec<f32> = Tensor::cat(&appended, 2)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .into_iter()
+                .map(|x| half::f16::from_f32(x).to_f32())
+                .collect();
+            let held = |t: &Tensor| -> Vec<f32> {
+                t.to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            };
+            assert_eq!(held(&k), rounded, "keys after {} tokens", t + 1);
+            assert_eq!(held(&v), rounded, "values after {} tokens", t + 1);
+        }
+    }
+
     /// A prompt's pass leaves room for as many tokens again: the decode steps after it write in
     /// place, and the buffer doubles only once they have filled that room.
     #[test]
@@ -516,7 +596,7 @@ mod tests {
             let slot = cache.slots[0].as_ref().expect("slot 0 holds the prompt");
             (slot.keys.dim(2).unwrap(), slot.values.dim(2).unwrap())
         };
-        let mut cache = SeqCache::new(1);
+        let mut cache = SeqCache::new(1, DType::F32);
         cache.append(0, &zeros(prompt), &zeros(prompt)).unwrap();
         assert_eq!(capacity(&cache), (2 * prompt, 2 * prompt));
         for _ in 0..prompt {

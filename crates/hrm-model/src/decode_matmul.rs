@@ -64,7 +64,7 @@ const ROW_TILE: usize = 8;
 /// as in the GGUF kernels (`quant_matmul.rs`), the hardware prefetcher of an Intel Xeon (family
 /// 6 model 167, AVX-512) fell behind; there it took 0.94× the wall time of `hrm bench model` on
 /// `models/sample`.
-const PREFETCH_AHEAD: usize = 4096;
+pub(crate) const PREFETCH_AHEAD: usize = 4096;
 
 /// `x · wᵀ` (`rows × out`, row-major) for `x: rows × k` and `w: out × k`, both row-major.
 fn matmul_with(

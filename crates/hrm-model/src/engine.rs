@@ -241,7 +241,7 @@ impl Engine {
             prompt,
             generated: Vec::new(),
             text: String::new(),
-            cache: SeqCache::new(self.info().cache_slots),
+            cache: SeqCache::new(self.info().cache_slots, self.info().cache_dtype),
             sampler,
             params,
             finish,

@@ -354,6 +354,7 @@ impl HrmText {
             num_parameters: 0,
             weight_bytes: per_token + lm_head.weight_bytes() + hidden * vb.dtype().size_in_bytes(),
             dtype: vb.dtype(),
+            cache_dtype: vb.dtype(),
             device: vb.device().clone(),
         };
         Ok(Self {

@@ -78,6 +78,9 @@ pub struct ModelInfo {
     /// Bytes of weights read for one decoded token (the memory-bandwidth cost of a step).
     pub weight_bytes: usize,
     pub dtype: DType,
+    /// The dtype a sequence's KV cache stores: the activations' dtype, except for GGUF models on
+    /// the CPU, whose caches hold f16 as llama.cpp's do (half the bytes a decode step reads).
+    pub cache_dtype: DType,
     pub device: Device,
 }
 

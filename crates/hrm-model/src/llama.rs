@@ -308,7 +308,7 @@ impl Llama {
             bos_token_id: None,
             eos_token_id: None,
         };
-        let model = Self::assemble(
+        let mut model = Self::assemble(
             embed_tokens,
             layers,
             final_norm,
@@ -319,6 +319,12 @@ impl Llama {
             DType::F32,
             device,
         );
+        if device.is_cpu() {
+            // Decode attention reads f16 keys and values in place on the CPU
+            // (`decode_attention.rs`); elsewhere the general path would convert the whole cache
+            // at every step.
+            model.info.cache_dtype = DType::F16;
+        }
         Ok((model, config))
     }
 
@@ -348,6 +354,7 @@ impl Llama {
             num_parameters: 0,
             weight_bytes,
             dtype,
+            cache_dtype: dtype,
             device: device.clone(),
         };
         Self {
