@@ -359,9 +359,10 @@ mod narrow {
 
 /// `dst[i] = src[i]` in f32 (exact), asking for the source
 /// [`crate::decode_matmul::PREFETCH_AHEAD`] bytes ahead as it goes. A part's keys, and its values,
-/// lie just before the next part's of the same head, which the same thread usually widens next;
-/// with the misses only the hardware prefetcher asked for, widening a part cost as much time as
-/// reading twice its bytes of weights (a profile on a Zen 4 AMD EPYC).
+/// lie just before the next part's of the same head, which the same thread usually widens next.
+/// Left to the hardware prefetcher, widening took about four times as long per byte as the
+/// weights' kernel takes to stream its own, and a long decode gained nothing from the halved
+/// bytes (a profile on a Zen 4 AMD EPYC).
 fn widen(kernel: Kernel, src: &[f16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len(), "widen: lengths");
     let done = match kernel {
