@@ -72,6 +72,11 @@ fn grown(t: &Tensor, len: usize, capacity: usize) -> Result<Tensor> {
 }
 
 impl SeqCache {
+    /// An empty cache of the model's slots, holding its cache dtype.
+    pub fn for_model(info: &crate::ModelInfo) -> Self {
+        Self::new(info.cache_slots, info.cache_dtype)
+    }
+
     /// An empty cache of `num_slots` slots whose buffers hold `dtype`.
     pub fn new(num_slots: usize, dtype: DType) -> Self {
         Self {
@@ -342,10 +347,8 @@ impl<'c> ForwardBatch<'c> {
         for (slot, ((keys, k_layout), (values, v_layout))) in slots.iter().zip(&storages) {
             views.push(crate::decode_attention::CacheView {
                 buffers: buffers(
-                    crate::fused::cpu_storage(keys)?,
-                    k_layout,
-                    crate::fused::cpu_storage(values)?,
-                    v_layout,
+                    (crate::fused::cpu_storage(keys)?, k_layout),
+                    (crate::fused::cpu_storage(values)?, v_layout),
                 )?,
                 capacity: slot.keys.dim(2)?,
                 len: slot.len,
@@ -378,29 +381,21 @@ impl<'c> ForwardBatch<'c> {
 /// A slot's contiguous key and value buffers as decode attention reads them, in the dtype the
 /// cache stores.
 fn buffers<'a>(
-    keys: &'a candle_core::CpuStorage,
-    k_layout: &candle_core::Layout,
-    values: &'a candle_core::CpuStorage,
-    v_layout: &candle_core::Layout,
+    (keys, k_layout): (&'a candle_core::CpuStorage, &candle_core::Layout),
+    (values, v_layout): (&'a candle_core::CpuStorage, &candle_core::Layout),
 ) -> Result<crate::decode_attention::Buffers<'a>> {
-    use candle_core::CpuStorage;
-    let range = |layout: &candle_core::Layout| {
-        layout
-            .contiguous_offsets()
-            .map(|(start, end)| start..end)
-            .ok_or_else(|| candle_core::Error::msg("KV cache: buffers not contiguous"))
-    };
-    let (k_range, v_range) = (range(k_layout)?, range(v_layout)?);
-    match (keys, values) {
-        (CpuStorage::F32(k), CpuStorage::F32(v)) => Ok(crate::decode_attention::Buffers::F32 {
-            keys: &k[k_range],
-            values: &v[v_range],
+    use crate::decode_attention::Buffers;
+    use crate::fused::values_of;
+    match candle_core::backend::BackendStorage::dtype(keys) {
+        DType::F32 => Ok(Buffers::F32 {
+            keys: values_of(keys, k_layout)?,
+            values: values_of(values, v_layout)?,
         }),
-        (CpuStorage::F16(k), CpuStorage::F16(v)) => Ok(crate::decode_attention::Buffers::F16 {
-            keys: &k[k_range],
-            values: &v[v_range],
+        DType::F16 => Ok(Buffers::F16 {
+            keys: values_of(keys, k_layout)?,
+            values: values_of(values, v_layout)?,
         }),
-        _ => candle_core::bail!("KV cache: decode attention reads f32 or f16 buffers only"),
+        other => candle_core::bail!("KV cache: decode attention reads f32 or f16, not {other:?}"),
     }
 }
 

@@ -241,7 +241,7 @@ impl Engine {
             prompt,
             generated: Vec::new(),
             text: String::new(),
-            cache: SeqCache::new(self.info().cache_slots, self.info().cache_dtype),
+            cache: SeqCache::for_model(self.info()),
             sampler,
             params,
             finish,

@@ -59,7 +59,7 @@ fn prompt_pass(
 /// cache it filled: the logits of the positions `logits` asks for, `[positions, vocab]`, in
 /// order. Checks that the cache ends holding every token.
 fn prompt_then_steps(model: &dyn CausalLm, exp: &Expected, logits: Logits) -> Tensor {
-    let mut cache = SeqCache::new(model.info().cache_slots, model.info().cache_dtype);
+    let mut cache = SeqCache::for_model(model.info());
     let mut steps = vec![prompt_pass(model, exp, &mut cache, logits)];
     for &token in &exp.input_ids[exp.prompt_len..] {
         steps.push(
@@ -134,7 +134,7 @@ fn continuation_of_several_tokens_in_one_pass_matches_transformers() {
         let loaded = load(name);
         let model = loaded.model.as_ref();
         let exp = expected(name);
-        let mut cache = SeqCache::new(model.info().cache_slots, model.info().cache_dtype);
+        let mut cache = SeqCache::for_model(model.info());
         let rest = exp.input_ids[exp.prompt_len..].to_vec();
         assert!(rest.len() > 1, "{name}: the fixture continues its prompt");
         let first = prompt_pass(model, &exp, &mut cache, Logits::All);
@@ -175,13 +175,12 @@ fn padded_batch_matches_single_rows() {
         let exp = expected(name);
         let long = exp.input_ids[..9].to_vec();
         let short = exp.input_ids[3..7].to_vec();
-        let slots = model.info().cache_slots;
         let blocks = [block_for(model, long.len()), block_for(model, short.len())];
 
         // Each row alone: prefill, then two decode steps.
         let mut alone = Vec::new();
         for (row, block) in [(&long, blocks[0]), (&short, blocks[1])] {
-            let mut cache = SeqCache::new(slots, model.info().cache_dtype);
+            let mut cache = SeqCache::for_model(model.info());
             let prefill = forward(model, std::slice::from_ref(row), &[block], vec![&mut cache]);
             let last = prefill.i((0, row.len() - 1)).unwrap();
             let step1 = forward(model, &[vec![11]], &[0], vec![&mut cache])
@@ -195,8 +194,8 @@ fn padded_batch_matches_single_rows() {
 
         // Both rows in one batch; the short one is left-padded at prefill.
         let (mut c0, mut c1) = (
-            SeqCache::new(slots, model.info().cache_dtype),
-            SeqCache::new(slots, model.info().cache_dtype),
+            SeqCache::for_model(model.info()),
+            SeqCache::for_model(model.info()),
         );
         let prefill = forward(
             model,

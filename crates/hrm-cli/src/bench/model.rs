@@ -163,7 +163,7 @@ pub fn run_one(args: RunArgs) -> anyhow::Result<()> {
 
     let decode = |steps: usize| -> anyhow::Result<(f64, f64)> {
         let mut caches: Vec<SeqCache> = (0..args.batch)
-            .map(|_| SeqCache::new(info.cache_slots, info.cache_dtype))
+            .map(|_| SeqCache::for_model(&info))
             .collect();
         let started = Instant::now();
         let mut batch = ForwardBatch::new(

@@ -5,12 +5,13 @@
 //! and candle's backward pass gives each node's input a zeroed gradient buffer and adds the
 //! node's contribution into it: a `[rows, 2 · intermediate]` and a `[rows, intermediate]` buffer
 //! zeroed and added per block, the widest activations of a layer (zeroing and adding such
-//! buffers was 7–8% of a `sample` training step's samples on an Intel Xeon with AVX-512). [`SwiGluMlpOp`] is one node: its backward
-//! pass runs the same kernels in the same order (`dW_d = gᵀ · s`, `ds = g · W_d`, the SwiGLU
-//! gradient, `dW_gu = dguᵀ · x`, `dx = dgu · W_gu`), from the gate/up projection and the gated
-//! activations its forward pass keeps, as the graph kept them before. The MoE block runs the
-//! grouped form in inference too: the same kernels as the three ops, and an untracked op (with
-//! what it keeps) is dropped as soon as its output exists.
+//! buffers was 7–8% of a `sample` training step's samples on an Intel Xeon with AVX-512).
+//! [`SwiGluMlpOp`] is one node: its backward pass runs the same kernels in the same order
+//! (`dW_d = gᵀ · s`, `ds = g · W_d`, the SwiGLU gradient, `dW_gu = dguᵀ · x`, `dx = dgu · W_gu`),
+//! from the gate/up projection and the gated activations its forward pass keeps, as the graph
+//! kept them before. The MoE block runs the grouped form in inference too: the same kernels as
+//! the three ops, and an untracked op (with what it keeps) is dropped as soon as its output
+//! exists.
 //!
 //! Invariant: an op's kept activations belong to its one forward pass; its backward pass takes
 //! them, and a second backward pass without a new forward pass is an error.

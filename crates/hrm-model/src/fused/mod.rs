@@ -89,8 +89,16 @@ pub(crate) fn values<'a>(
     storage: &'a CpuStorage,
     layout: &Layout,
 ) -> candle_core::Result<&'a [f32]> {
+    values_of(storage, layout)
+}
+
+/// The contiguous values of a CPU storage of `T`.
+pub(crate) fn values_of<'a, T: candle_core::WithDType>(
+    storage: &'a CpuStorage,
+    layout: &Layout,
+) -> candle_core::Result<&'a [T]> {
     let (start, end) = contiguous(layout)?;
-    Ok(&storage.as_slice::<f32>()?[start..end])
+    Ok(&storage.as_slice::<T>()?[start..end])
 }
 
 pub(crate) fn values_mut<'a>(
