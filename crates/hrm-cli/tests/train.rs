@@ -152,3 +152,74 @@ fn bad_arguments_get_a_clear_error() {
         "{err}"
     );
 }
+
+/// `hrm bench train` and `hrm bench model` on the fixture, our side only (the reference side
+/// needs torch, which CI does not install): each runs its measurement processes for every
+/// round and reports one row per config or batch, with positive figures and the rounds named.
+#[test]
+fn benches_report_one_row_over_their_rounds() {
+    let bench = |args: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_hrm"))
+            .arg("bench")
+            .args(args)
+            .env_remove("HRM_REFERENCE_PYTHON")
+            .output()
+            .unwrap();
+        ok(output)
+    };
+    // The rows under the table's header.
+    let rows = |table: &str| -> Vec<Vec<String>> {
+        table
+            .lines()
+            .skip_while(|l| !l.starts_with("|---"))
+            .skip(1)
+            .take_while(|l| l.starts_with("| "))
+            .map(|l| l.split('|').map(|c| c.trim().to_string()).collect())
+            .collect()
+    };
+    let model_dir = fixture("hrm-text");
+    let config = model_dir.join("config.json");
+    let trained = bench(&[
+        "train",
+        "--config",
+        config.to_str().unwrap(),
+        "--batch-size",
+        "2",
+        "--micro-batch",
+        "1",
+        "--seq-len",
+        "8",
+        "--steps",
+        "1",
+        "--rounds",
+        "2",
+    ]);
+    let train_rows = rows(&trained);
+    assert_eq!(train_rows.len(), 1, "{trained}");
+    let tokens_per_s: f64 = train_rows[0][2].parse().unwrap();
+    assert!(tokens_per_s > 0.0, "{trained}");
+    assert_eq!(train_rows[0][3], "–", "no reference side ran: {trained}");
+    assert!(trained.contains("the median of 2 rounds"), "{trained}");
+
+    let served = bench(&[
+        "model",
+        "--model",
+        model_dir.to_str().unwrap(),
+        "--batch-sizes",
+        "1,2",
+        "--prompt-tokens",
+        "4",
+        "--decode-tokens",
+        "2",
+        "--rounds",
+        "3",
+    ]);
+    let model_rows = rows(&served);
+    assert_eq!(model_rows.len(), 2, "one row per batch size: {served}");
+    for row in &model_rows {
+        for figure in [&row[3], &row[6], &row[9]] {
+            assert!(figure.parse::<f64>().unwrap() > 0.0, "{served}");
+        }
+    }
+    assert!(served.contains("the median of 3 rounds"), "{served}");
+}

@@ -63,34 +63,119 @@ pub struct SidesConfig<'a> {
     pub python: Option<&'a Path>,
 }
 
-/// Runs the same measurement in two fresh processes, `hrm bench <subcommand> <shape>` and
-/// `python benches/<script> <script_args> <shape> --threads N`, and reads both results.
+/// Runs the same measurement in fresh processes, `hrm bench <subcommand> <shape>` and `python
+/// benches/<script> <script_args> <shape> --threads N`, `rounds` times each, and reads every
+/// result: one `(ours, theirs)` pair per round. The side that goes first alternates from round
+/// to round, so that a machine whose speed drifts (a VM beside busy neighbours) slows both
+/// sides alike, and each pair's ratio compares two runs taken back to back.
 pub fn side_by_side<T: DeserializeOwned>(
     subcommand: &str,
     script_args: &[&str],
     shape: &[String],
     sides: &SidesConfig<'_>,
-) -> anyhow::Result<(T, Option<T>)> {
-    let mut ours = Command::new(std::env::current_exe()?);
-    ours.args(["bench", subcommand])
-        .args(shape)
-        .env("RAYON_NUM_THREADS", sides.threads.to_string());
-    let ours = measure(ours).context("our side")?;
-    let theirs = match sides.python {
-        Some(python) => {
-            let script = Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../benches")
-                .join(sides.script);
-            let mut cmd = Command::new(python);
-            cmd.arg(script)
-                .args(script_args)
-                .args(shape)
-                .args(["--threads", &sides.threads.to_string()]);
-            Some(measure(cmd).context("the transformers side")?)
-        }
-        None => None,
+    rounds: usize,
+) -> anyhow::Result<Vec<(T, Option<T>)>> {
+    let ours = || {
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.args(["bench", subcommand])
+            .args(shape)
+            .env("RAYON_NUM_THREADS", sides.threads.to_string());
+        measure(cmd).context("our side")
     };
-    Ok((ours, theirs))
+    let theirs = || -> anyhow::Result<Option<T>> {
+        let Some(python) = sides.python else {
+            return Ok(None);
+        };
+        let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../benches")
+            .join(sides.script);
+        let mut cmd = Command::new(python);
+        cmd.arg(script)
+            .args(script_args)
+            .args(shape)
+            .args(["--threads", &sides.threads.to_string()]);
+        measure(cmd).context("the transformers side").map(Some)
+    };
+    (0..rounds.max(1))
+        .map(|round| {
+            if round.is_multiple_of(2) {
+                let ours = ours()?;
+                Ok((ours, theirs()?))
+            } else {
+                let theirs = theirs()?;
+                Ok((ours()?, theirs))
+            }
+        })
+        .collect()
+}
+
+/// One figure over a benchmark's rounds: each side's median, and the median and range of the
+/// rounds' own ratios (ours ÷ theirs, each pair measured back to back).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PairedFigure {
+    pub ours: f64,
+    /// `None` when the reference side did not run.
+    pub theirs: Option<f64>,
+    /// `(median, lowest, highest)` of the per-round ratios.
+    pub ratio: Option<(f64, f64, f64)>,
+}
+
+impl PairedFigure {
+    /// The figure `value` picks out of each round of `rounds` (at least one round).
+    pub fn of<T>(rounds: &[(T, Option<T>)], value: impl Fn(&T) -> f64) -> Self {
+        let ours: Vec<f64> = rounds.iter().map(|(o, _)| value(o)).collect();
+        let theirs: Option<Vec<f64>> = rounds.iter().map(|(_, t)| t.as_ref().map(&value)).collect();
+        let ratio = theirs.as_ref().map(|theirs| {
+            let mut ratios: Vec<f64> = ours.iter().zip(theirs).map(|(o, t)| o / t).collect();
+            ratios.sort_by(f64::total_cmp);
+            (median(&ratios), ratios[0], ratios[ratios.len() - 1])
+        });
+        Self {
+            ours: median(&ours),
+            theirs: theirs.as_deref().map(median),
+            ratio,
+        }
+    }
+
+    /// The reference side's median with `decimals` places, or a dash.
+    pub fn theirs_cell(&self, decimals: usize) -> String {
+        self.theirs
+            .map_or("–".into(), |t| format!("{t:.decimals$}"))
+    }
+
+    /// `1.67×`, and over several rounds the range of the rounds' ratios: `1.67× (1.52–1.80)`.
+    pub fn ratio_cell(&self, rounds: usize) -> String {
+        match self.ratio {
+            None => "–".into(),
+            Some((median, _, _)) if rounds <= 1 => format!("{median:.2}×"),
+            Some((median, low, high)) => format!("{median:.2}× ({low:.2}–{high:.2})"),
+        }
+    }
+}
+
+/// The table's footnote on its ratios: `ratio = hrm / transformers`, or over several rounds how
+/// the figures were taken.
+pub fn rounds_note(rounds: usize, ratio: &str) -> String {
+    if rounds <= 1 {
+        format!("ratio = {ratio}")
+    } else {
+        format!(
+            "each figure the median of {rounds} rounds, the sides taking turns to go first; \
+             ratio = the median of the rounds' own {ratio}, their range in brackets"
+        )
+    }
+}
+
+/// The middle value of `values`, in any order (the mean of the middle two for an even count).
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let mid = sorted.len() / 2;
+    if sorted.len().is_multiple_of(2) {
+        (sorted[mid - 1] + sorted[mid]) / 2.0
+    } else {
+        sorted[mid]
+    }
 }
 
 /// Runs one measurement process and reads the JSON line it prints last.
@@ -157,5 +242,32 @@ mod tests {
             "capped at an hour: {capped} ms"
         );
         assert!(Latencies::of([]).percentile_ms(0.5).is_none());
+    }
+
+    /// Each side's median, and the ratio taken per round before its median: three rounds where
+    /// the machine ran at half speed in the second (both sides alike) and the reference side
+    /// alone was slow in the third.
+    #[test]
+    fn a_paired_figure_takes_each_rounds_ratio_before_the_median() {
+        let rounds = [(10.0, Some(5.0)), (5.0, Some(2.5)), (12.0, Some(3.0))];
+        let figure = PairedFigure::of(&rounds, |&v| v);
+        assert_eq!(figure.ours, 10.0);
+        assert_eq!(figure.theirs, Some(3.0));
+        // The ratio of the medians would be 3.33; the rounds' own ratios are 2, 2 and 4.
+        assert_eq!(figure.ratio, Some((2.0, 2.0, 4.0)));
+        assert_eq!(figure.ratio_cell(3), "2.00× (2.00–4.00)");
+        assert_eq!(figure.ratio_cell(1), "2.00×");
+        assert_eq!(figure.theirs_cell(1), "3.0");
+
+        let even = PairedFigure::of(&[(4.0, Some(1.0)), (6.0, Some(2.0))], |&v| v);
+        assert_eq!((even.ours, even.theirs), (5.0, Some(1.5)));
+        assert_eq!(even.ratio, Some((3.5, 3.0, 4.0)));
+
+        let alone = PairedFigure::of(&[(7.0, None::<f64>), (9.0, None)], |&v| v);
+        assert_eq!((alone.ours, alone.theirs, alone.ratio), (8.0, None, None));
+        assert_eq!(
+            (alone.theirs_cell(0), alone.ratio_cell(2)),
+            ("–".into(), "–".into())
+        );
     }
 }

@@ -16,7 +16,7 @@ use clap::Args;
 use hrm_model::{ForwardBatch, Logits, SeqCache};
 use serde::{Deserialize, Serialize};
 
-use super::{SidesConfig, side_by_side};
+use super::{PairedFigure, SidesConfig, side_by_side};
 
 #[derive(Args)]
 pub struct ModelBenchArgs {
@@ -35,6 +35,10 @@ pub struct ModelBenchArgs {
     /// A Python with torch and transformers: runs the reference side. Without it, only ours.
     #[arg(long, env = "HRM_REFERENCE_PYTHON")]
     python: Option<PathBuf>,
+    /// Measurements of each side per row, alternating which goes first: the table gives each
+    /// side's median and the median (and range) of the rounds' own ratios.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..))]
+    rounds: u16,
     /// Also write the Markdown table here.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -84,7 +88,7 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
                 "--decode-tokens".into(),
                 args.decode_tokens.to_string(),
             ];
-            let (ours, theirs): (Measurement, _) = side_by_side(
+            let rounds: Vec<(Measurement, _)> = side_by_side(
                 "model-run",
                 &["run"],
                 &shape,
@@ -93,35 +97,33 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
                     threads: args.threads,
                     python: args.python.as_deref(),
                 },
+                args.rounds.into(),
             )
             .with_context(|| format!("measuring {name}"))?;
-            let cell = |v: Option<f64>| v.map_or("–".to_string(), |v| format!("{v:.1}"));
-            let ratio =
-                |a: f64, b: Option<f64>| b.map_or("–".to_string(), |b| format!("{:.2}×", a / b));
+            let prefill = PairedFigure::of(&rounds, |m| m.prefill_tokens_per_s);
+            let decode = PairedFigure::of(&rounds, |m| m.decode_tokens_per_s);
+            let rss = PairedFigure::of(&rounds, |m| m.peak_rss_mb);
             writeln!(
                 table,
                 "| {name} | {batch} | {:.1} | {} | {} | {:.1} | {} | {} | {:.0} | {} |",
-                ours.prefill_tokens_per_s,
-                cell(theirs.as_ref().map(|t| t.prefill_tokens_per_s)),
-                ratio(
-                    ours.prefill_tokens_per_s,
-                    theirs.as_ref().map(|t| t.prefill_tokens_per_s)
-                ),
-                ours.decode_tokens_per_s,
-                cell(theirs.as_ref().map(|t| t.decode_tokens_per_s)),
-                ratio(
-                    ours.decode_tokens_per_s,
-                    theirs.as_ref().map(|t| t.decode_tokens_per_s)
-                ),
-                ours.peak_rss_mb,
-                cell(theirs.as_ref().map(|t| t.peak_rss_mb)),
+                prefill.ours,
+                prefill.theirs_cell(1),
+                prefill.ratio_cell(rounds.len()),
+                decode.ours,
+                decode.theirs_cell(1),
+                decode.ratio_cell(rounds.len()),
+                rss.ours,
+                rss.theirs_cell(1),
             )?;
         }
     }
     writeln!(
         table,
-        "\n{} prompt tokens per sequence, {} decode steps, {} CPU threads, f32 activations; ratio = hrm / transformers.",
-        args.prompt_tokens, args.decode_tokens, args.threads
+        "\n{} prompt tokens per sequence, {} decode steps, {} CPU threads, f32 activations; {}.",
+        args.prompt_tokens,
+        args.decode_tokens,
+        args.threads,
+        super::rounds_note(args.rounds.into(), "hrm / transformers")
     )?;
     print!("{table}");
     if let Some(out) = &args.out {

@@ -18,7 +18,7 @@ use hrm_model::train::{AdamWConfig, LrSchedule, ScheduleKind, Trainer};
 use serde::{Deserialize, Serialize};
 
 use super::model::bench_ids;
-use super::{SidesConfig, side_by_side};
+use super::{PairedFigure, SidesConfig, side_by_side};
 
 #[derive(Args)]
 pub struct TrainBenchArgs {
@@ -39,6 +39,10 @@ pub struct TrainBenchArgs {
     /// A Python with torch and transformers for the reference side.
     #[arg(long, env = "HRM_REFERENCE_PYTHON")]
     python: Option<PathBuf>,
+    /// Measurements of each side per config, alternating which goes first: the table gives each
+    /// side's median and the median (and range) of the rounds' own ratios.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..))]
+    rounds: u16,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -86,7 +90,7 @@ pub fn run(args: TrainBenchArgs) -> anyhow::Result<()> {
             "--steps".into(),
             args.steps.to_string(),
         ];
-        let (ours, theirs): (TrainMeasurement, _) = side_by_side(
+        let rounds: Vec<(TrainMeasurement, _)> = side_by_side(
             "train-run",
             &[],
             &shape,
@@ -95,26 +99,31 @@ pub fn run(args: TrainBenchArgs) -> anyhow::Result<()> {
                 threads: args.threads,
                 python: args.python.as_deref(),
             },
+            args.rounds.into(),
         )
         .with_context(|| format!("measuring {name}"))?;
+        let speed = PairedFigure::of(&rounds, |m| m.tokens_per_s);
+        let note = rounds
+            .into_iter()
+            .find_map(|(_, theirs)| theirs.and_then(|t| t.note))
+            .unwrap_or_default();
         writeln!(
             table,
-            "| {name} | {:.0} | {} | {} | {} |",
-            ours.tokens_per_s,
-            theirs
-                .as_ref()
-                .map_or("–".into(), |t| format!("{:.0}", t.tokens_per_s)),
-            theirs.as_ref().map_or("–".into(), |t| format!(
-                "{:.2}×",
-                ours.tokens_per_s / t.tokens_per_s
-            )),
-            theirs.and_then(|t| t.note).unwrap_or_default(),
+            "| {name} | {:.0} | {} | {} | {note} |",
+            speed.ours,
+            speed.theirs_cell(0),
+            speed.ratio_cell(usize::from(args.rounds)),
         )?;
     }
     writeln!(
         table,
-        "\n{} sequences × {} tokens per step ({} per micro-batch), {} timed steps, {} threads, f32.",
-        args.batch_size, args.seq_len, args.micro_batch, args.steps, args.threads
+        "\n{} sequences × {} tokens per step ({} per micro-batch), {} timed steps, {} threads, f32; {}.",
+        args.batch_size,
+        args.seq_len,
+        args.micro_batch,
+        args.steps,
+        args.threads,
+        super::rounds_note(args.rounds.into(), "hrm / PyTorch")
     )?;
     print!("{table}");
     if let Some(out) = &args.out {
