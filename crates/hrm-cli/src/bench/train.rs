@@ -3,8 +3,10 @@
 //!
 //! Each side runs in its own process: one warm-up step, then `--steps` timed optimiser steps of
 //! `--batch-size` sequences of `--seq-len` tokens (random ids), with gradient clipping. For
-//! `hrm_text_moe`, transformers has no implementation; its column then runs the dense `hrm_text`
-//! with the same active size (the MoE config with one expert per token), and says so.
+//! `hrm_text_moe`, transformers has no model class; its column then runs `hrm_text` with
+//! transformers' own `MixtralSparseMoeBlock` as each MLP (the same routing, expert layout and
+//! load-balancing loss: the same model), or with `--moe-reference dense` the dense `hrm_text` of
+//! the same active size (half the expert weights, no routing), and says which.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -39,12 +41,22 @@ pub struct TrainBenchArgs {
     /// A Python with torch and transformers for the reference side.
     #[arg(long, env = "HRM_REFERENCE_PYTHON")]
     python: Option<PathBuf>,
+    /// What the PyTorch side trains for a mixture-of-experts config: the same model, with
+    /// transformers' Mixtral MoE block as each MLP, or a dense model of the same active size.
+    #[arg(long, value_enum, default_value_t = MoeReference::Mixtral)]
+    moe_reference: MoeReference,
     /// Measurements of each side per config, alternating which goes first: the table gives each
     /// side's median and the median (and range) of the rounds' own ratios.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..))]
     rounds: u16,
     #[arg(long)]
     out: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum MoeReference {
+    Mixtral,
+    Dense,
 }
 
 #[derive(Args)]
@@ -90,9 +102,13 @@ pub fn run(args: TrainBenchArgs) -> anyhow::Result<()> {
             "--steps".into(),
             args.steps.to_string(),
         ];
+        let moe_reference = match args.moe_reference {
+            MoeReference::Mixtral => "mixtral",
+            MoeReference::Dense => "dense",
+        };
         let rounds: Vec<(TrainMeasurement, _)> = side_by_side(
             "train-run",
-            &[],
+            &["--moe-reference", moe_reference],
             &shape,
             &SidesConfig {
                 script: "transformers_train.py",
