@@ -76,13 +76,13 @@ impl MoeMlp {
     /// `num_experts * sum_e(f_e * P_e)`, where `f_e` is the share of routing slots sent to expert
     /// `e` and `P_e` its mean router probability. The loss is 1 for perfectly even routing.
     pub fn forward(&self, x: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (b, s, hidden) = x.dims3()?;
-        let tokens = x.reshape((b * s, hidden))?;
+        let (b, s, _) = x.dims3()?;
         let n = b * s;
-        let logits = tokens
-            .to_dtype(self.router.dtype())?
-            .matmul(&self.router.t()?)?;
-        let probs = softmax_last_dim(&logits)?; // [n, E]
+        // The router, the gather and the combine all read and write the tokens in `x`'s own
+        // `[b, s, hidden]` shape: a reshape would be one more graph node, each with a zeroed
+        // gradient buffer the size of the activations in candle's backward pass.
+        let logits = fused::linear(&x.to_dtype(self.router.dtype())?, &self.router)?;
+        let probs = softmax_last_dim(&logits)?.reshape((n, self.num_experts))?;
 
         // Top-k selection is discrete, so it is decided on the host; the kept probabilities are
         // then gathered from `probs`, which keeps them differentiable.
@@ -112,9 +112,10 @@ impl MoeMlp {
         let routing = fused::Routing::new(rows, n)?;
         let by_expert = Tensor::from_vec(by_expert, n * self.top_k, x.device())?;
 
-        let expert_in = fused::gather_rows(&tokens, &routing)?;
+        let expert_in = fused::gather_rows(x, &routing)?;
         let expert_out = fused::grouped_swiglu_mlp(&expert_in, &self.gate_up, &self.down, &counts)?;
-        let out = fused::combine_rows(&expert_out, &kept.index_select(&by_expert, 0)?, &routing)?;
+        let weights = kept.index_select(&by_expert, 0)?;
+        let out = fused::combine_rows(&expert_out, &weights, &routing, x.shape())?;
 
         let share: Vec<f32> = counts
             .iter()
@@ -124,7 +125,7 @@ impl MoeMlp {
             Tensor::from_vec(share, self.num_experts, x.device())?.to_dtype(probs.dtype())?;
         let mean_prob = probs.mean(0)?;
         let aux = ((mean_prob * share)?.sum_all()? * self.num_experts as f64)?;
-        Ok((out.reshape((b, s, hidden))?, aux))
+        Ok((out, aux))
     }
 
     /// Bytes of expert and router weights one token reads (its `top_k` experts).

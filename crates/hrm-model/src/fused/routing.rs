@@ -44,28 +44,39 @@ impl Routing {
     }
 }
 
-/// `x[token[s]]` for every slot of `routing`: `[slots, hidden]` from `x: [tokens, hidden]`.
+/// `x[token[s]]` for every slot of `routing`: `[slots, hidden]` from `x`, whose rows (every
+/// dimension but the last, `[tokens, hidden]` or `[batch, seq, hidden]`) are the tokens.
 pub fn gather_rows(x: &Tensor, routing: &Routing) -> candle_core::Result<Tensor> {
     if x.device().is_cpu() && x.dtype() == candle_core::DType::F32 {
         return row_readable(x)?.apply_op1(GatherRows(routing.clone()));
     }
     let index = Tensor::from_slice(&routing.token, routing.token.len(), x.device())?;
-    x.index_select(&index, 0)
+    x.flatten_to(x.rank().saturating_sub(2))?
+        .index_select(&index, 0)
 }
 
-/// `out[t] = Σ w[s] · y[s]` over the slots of token `t`: `[tokens, hidden]` from `y: [slots,
-/// hidden]` and `w: [slots]`.
-pub fn combine_rows(y: &Tensor, w: &Tensor, routing: &Routing) -> candle_core::Result<Tensor> {
+/// `out[t] = Σ w[s] · y[s]` over the slots of token `t`, from `y: [slots, hidden]` and `w:
+/// [slots]`, shaped `shape` (the tokens' shape, `[.., hidden]`). Giving the tokens' own shape
+/// here, rather than reshaping a `[tokens, hidden]` result, keeps a reshape (and the zeroed
+/// gradient buffer candle's backward pass gives each node) out of the graph.
+pub fn combine_rows(
+    y: &Tensor,
+    w: &Tensor,
+    routing: &Routing,
+    shape: &Shape,
+) -> candle_core::Result<Tensor> {
     if y.device().is_cpu() && y.dtype() == candle_core::DType::F32 && w.dtype() == y.dtype() {
-        return row_readable(y)?.apply_op2(&w.contiguous()?, CombineRows(routing.clone()));
+        let op = CombineRows {
+            routing: routing.clone(),
+            shape: shape.clone(),
+        };
+        return row_readable(y)?.apply_op2(&w.contiguous()?, op);
     }
     let index = Tensor::from_slice(&routing.token, routing.token.len(), y.device())?;
     let hidden = y.dim(1)?;
-    Tensor::zeros((routing.slots.len(), hidden), y.dtype(), y.device())?.index_add(
-        &index,
-        &y.broadcast_mul(&w.unsqueeze(1)?)?,
-        0,
-    )
+    Tensor::zeros((routing.slots.len(), hidden), y.dtype(), y.device())?
+        .index_add(&index, &y.broadcast_mul(&w.unsqueeze(1)?)?, 0)?
+        .reshape(shape)
 }
 
 struct GatherRows(Routing);
@@ -81,10 +92,8 @@ impl CustomOp1 for GatherRows {
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let x = Rows::new(storage, layout)?;
-        if layout.dims().len() != 2 || x.count != self.0.slots.len() {
-            return Err(error(
-                "gather: x must be [tokens, hidden] of the routing's tokens",
-            ));
+        if x.count != self.0.slots.len() {
+            return Err(error("gather: x must hold one row per routing token"));
         }
         let token = &self.0.token;
         let out = fill_rows(token.len(), x.width, |s, out| {
@@ -112,7 +121,11 @@ impl CustomOp1 for GatherRows {
     }
 }
 
-struct CombineRows(Routing);
+struct CombineRows {
+    routing: Routing,
+    /// The output's shape: the tokens' rows of `hidden`.
+    shape: Shape,
+}
 
 impl CustomOp2 for CombineRows {
     fn name(&self) -> &'static str {
@@ -128,9 +141,16 @@ impl CustomOp2 for CombineRows {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let y = Rows::new(y_storage, y_layout)?;
         let w = values(w_storage, w_layout)?;
-        let slots = &self.0.slots;
-        if y_layout.dims().len() != 2 || y.count != self.0.token.len() || w.len() != y.count {
+        let slots = &self.routing.slots;
+        if y_layout.dims().len() != 2 || y.count != self.routing.token.len() || w.len() != y.count {
             return Err(error("combine: y must be [slots, hidden] and w [slots]"));
+        }
+        if self.shape.elem_count() != slots.len() * y.width
+            || self.shape.dims().last() != Some(&y.width)
+        {
+            return Err(error(
+                "combine: the output shape is not the tokens' rows of y's width",
+            ));
         }
         let out = fill_rows(slots.len(), y.width, |t, out| {
             for &s in &slots[t] {
@@ -139,7 +159,7 @@ impl CustomOp2 for CombineRows {
                 }
             }
         });
-        Ok((CpuStorage::F32(out), Shape::from((slots.len(), y.width))))
+        Ok((CpuStorage::F32(out), self.shape.clone()))
     }
 
     fn bwd(
@@ -156,10 +176,10 @@ impl CustomOp2 for CombineRows {
         let g = Rows::new(cpu_storage(&g_guard)?, g_layout)?;
         let ys = Rows::new(cpu_storage(&y_guard)?, y_layout)?;
         let w_values = values(cpu_storage(&w_guard)?, w_layout)?;
-        if g.count != self.0.slots.len() || g.width != ys.width {
+        if g.count != self.routing.slots.len() || g.width != ys.width {
             return Err(error("combine: gradient of the wrong shape"));
         }
-        let token = &self.0.token;
+        let token = &self.routing.token;
         let d_y = fill_rows(token.len(), ys.width, |s, out| {
             for (o, v) in out.iter_mut().zip(g.row(token[s] as usize)) {
                 *o = w_values[s] * v;
@@ -213,7 +233,8 @@ mod tests {
 
         // The combine of the gathered rows, as the block runs it.
         let y = (&gathered * 1.5).unwrap();
-        let combined = combine_rows(&y, w.as_tensor(), &routing).unwrap();
+        let combined =
+            combine_rows(&y, w.as_tensor(), &routing, &Shape::from((tokens, hidden))).unwrap();
         let composed = Tensor::zeros(
             (tokens, hidden),
             candle_core::DType::F32,
@@ -250,6 +271,29 @@ mod tests {
         assert!(
             Routing::new(vec![0, 7], 3).is_err(),
             "a slot outside the batch"
+        );
+
+        // The same tokens as `[2, 3, hidden]`: gathered from and combined into that shape, the
+        // same values and gradients as the flat rows give.
+        let x3 = x.as_tensor().reshape((2, 3, hidden)).unwrap();
+        let gathered3 = gather_rows(&x3, &routing).unwrap();
+        close(&gathered3, &gathered, 0.0);
+        let y3 = (&gathered3 * 1.5).unwrap();
+        let combined3 =
+            combine_rows(&y3, w.as_tensor(), &routing, &Shape::from((2, 3, hidden))).unwrap();
+        assert_eq!(combined3.dims(), &[2, 3, hidden]);
+        close(
+            &combined3.reshape((tokens, hidden)).unwrap(),
+            &combined,
+            0.0,
+        );
+        let weights3 = weights.reshape((2, 3, hidden)).unwrap();
+        for (a, b) in grads_of(&combined3, &weights3, &[&x, &w]).iter().zip(&ours) {
+            close(a, b, 0.0);
+        }
+        assert!(
+            combine_rows(&y3, w.as_tensor(), &routing, &Shape::from((2, 4, hidden))).is_err(),
+            "an output shape with more tokens than the routing"
         );
     }
 }
