@@ -57,13 +57,13 @@ def main():
             note = (f"transformers has no hrm_text_moe: dense hrm_text with intermediate_size "
                     f"{raw['intermediate_size']} (same active size)")
         else:
-            moe = (experts, top_k, coef)
+            moe = {"experts": experts, "top_k": top_k, "aux_coef": coef}
             note = (f"transformers has no hrm_text_moe: hrm_text with transformers' MixtralSparseMoeBlock "
                     f"as each MLP ({experts} experts of {raw['intermediate_size']}, top {top_k})")
     model_type = raw.pop("model_type")
     config = AutoConfig.for_model(model_type, **raw)
     model = AutoModelForCausalLM.from_config(config)
-    routed = install_experts(model, config, *moe[:2]) if moe else None
+    routed = install_experts(model, config, moe["experts"], moe["top_k"]) if moe else None
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
     ids = torch.tensor(bench_ids(args.batch_size, args.seq_len + 1, config.vocab_size))
@@ -74,7 +74,7 @@ def main():
         for mb in micro:
             loss = model(input_ids=mb, labels=mb, use_cache=False).loss
             if routed is not None:
-                loss = loss + moe[2] * balancing_loss(routed, moe[0])
+                loss = loss + moe["aux_coef"] * balancing_loss(routed, moe["experts"])
             (loss / len(micro)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

@@ -118,6 +118,7 @@ pub struct PairedFigure {
     pub theirs: Option<f64>,
     /// `(median, lowest, highest)` of the per-round ratios.
     pub ratio: Option<(f64, f64, f64)>,
+    pub rounds: usize,
 }
 
 impl PairedFigure {
@@ -134,6 +135,7 @@ impl PairedFigure {
             ours: median(&ours),
             theirs: theirs.as_deref().map(median),
             ratio,
+            rounds: rounds.len(),
         }
     }
 
@@ -144,10 +146,10 @@ impl PairedFigure {
     }
 
     /// `1.67×`, and over several rounds the range of the rounds' ratios: `1.67× (1.52–1.80)`.
-    pub fn ratio_cell(&self, rounds: usize) -> String {
+    pub fn ratio_cell(&self) -> String {
         match self.ratio {
             None => "–".into(),
-            Some((median, _, _)) if rounds <= 1 => format!("{median:.2}×"),
+            Some((median, _, _)) if self.rounds <= 1 => format!("{median:.2}×"),
             Some((median, low, high)) => format!("{median:.2}× ({low:.2}–{high:.2})"),
         }
     }
@@ -255,9 +257,10 @@ mod tests {
         assert_eq!(figure.theirs, Some(3.0));
         // The ratio of the medians would be 3.33; the rounds' own ratios are 2, 2 and 4.
         assert_eq!(figure.ratio, Some((2.0, 2.0, 4.0)));
-        assert_eq!(figure.ratio_cell(3), "2.00× (2.00–4.00)");
-        assert_eq!(figure.ratio_cell(1), "2.00×");
+        assert_eq!(figure.ratio_cell(), "2.00× (2.00–4.00)");
         assert_eq!(figure.theirs_cell(1), "3.0");
+        let single = PairedFigure::of(&rounds[2..], |&v| v);
+        assert_eq!(single.ratio_cell(), "4.00×");
 
         let even = PairedFigure::of(&[(4.0, Some(1.0)), (6.0, Some(2.0))], |&v| v);
         assert_eq!((even.ours, even.theirs), (5.0, Some(1.5)));
@@ -266,7 +269,7 @@ mod tests {
         let alone = PairedFigure::of(&[(7.0, None::<f64>), (9.0, None)], |&v| v);
         assert_eq!((alone.ours, alone.theirs, alone.ratio), (8.0, None, None));
         assert_eq!(
-            (alone.theirs_cell(0), alone.ratio_cell(2)),
+            (alone.theirs_cell(0), alone.ratio_cell()),
             ("–".into(), "–".into())
         );
     }

@@ -108,10 +108,10 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
                 "| {name} | {batch} | {:.1} | {} | {} | {:.1} | {} | {} | {:.0} | {} |",
                 prefill.ours,
                 prefill.theirs_cell(1),
-                prefill.ratio_cell(rounds.len()),
+                prefill.ratio_cell(),
                 decode.ours,
                 decode.theirs_cell(1),
-                decode.ratio_cell(rounds.len()),
+                decode.ratio_cell(),
                 rss.ours,
                 rss.theirs_cell(1),
             )?;

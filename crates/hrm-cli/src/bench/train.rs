@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use candle_core::Device;
-use clap::Args;
+use clap::{Args, ValueEnum};
 use hrm_model::ModelSpec;
 use hrm_model::train::{AdamWConfig, LrSchedule, ScheduleKind, Trainer};
 use serde::{Deserialize, Serialize};
@@ -53,7 +53,7 @@ pub struct TrainBenchArgs {
     out: Option<PathBuf>,
 }
 
-#[derive(Clone, Copy, clap::ValueEnum)]
+#[derive(Clone, Copy, ValueEnum)]
 enum MoeReference {
     Mixtral,
     Dense,
@@ -102,13 +102,13 @@ pub fn run(args: TrainBenchArgs) -> anyhow::Result<()> {
             "--steps".into(),
             args.steps.to_string(),
         ];
-        let moe_reference = match args.moe_reference {
-            MoeReference::Mixtral => "mixtral",
-            MoeReference::Dense => "dense",
-        };
+        let moe_reference = args
+            .moe_reference
+            .to_possible_value()
+            .expect("no reference is skipped");
         let rounds: Vec<(TrainMeasurement, _)> = side_by_side(
             "train-run",
-            &["--moe-reference", moe_reference],
+            &["--moe-reference", moe_reference.get_name()],
             &shape,
             &SidesConfig {
                 script: "transformers_train.py",
@@ -128,7 +128,7 @@ pub fn run(args: TrainBenchArgs) -> anyhow::Result<()> {
             "| {name} | {:.0} | {} | {} | {note} |",
             speed.ours,
             speed.theirs_cell(0),
-            speed.ratio_cell(usize::from(args.rounds)),
+            speed.ratio_cell(),
         )?;
     }
     writeln!(
