@@ -186,18 +186,31 @@ impl CustomOp2 for CombineRows {
             }
         });
         let d_w = fill_rows(token.len(), 1, |s, out| {
-            out[0] = ys
-                .row(s)
-                .iter()
-                .zip(g.row(token[s] as usize))
-                .map(|(y, g)| y * g)
-                .sum();
+            out[0] = dot(ys.row(s), g.row(token[s] as usize));
         });
         Ok((
             Some(Tensor::from_vec(d_y, y.shape(), y.device())?),
             Some(Tensor::from_vec(d_w, w.shape(), w.device())?),
         ))
     }
+}
+
+/// `Σ aᵢ · bᵢ` in eight interleaved partial sums, added at the end. A single running sum is one
+/// chain of dependent adds, which the compiler keeps in order; the combine's weight gradients (a
+/// dot product per routing slot, too few values for the team) spent about 0.5 ms a block in it
+/// on a Zen 4 AMD EPYC.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    const LANES: usize = 8;
+    let (a_lanes, a_rest) = a.as_chunks::<LANES>();
+    let (b_lanes, b_rest) = b.as_chunks::<LANES>();
+    let mut sums = [0f32; LANES];
+    for (a, b) in a_lanes.iter().zip(b_lanes) {
+        for l in 0..LANES {
+            sums[l] += a[l] * b[l];
+        }
+    }
+    let rest: f32 = a_rest.iter().zip(b_rest).map(|(a, b)| a * b).sum();
+    sums.iter().sum::<f32>() + rest
 }
 
 #[cfg(test)]
