@@ -155,16 +155,18 @@ impl PairedFigure {
     }
 }
 
-/// The table's footnote on its ratios: `ratio = hrm / transformers`, or over several rounds how
-/// the figures were taken.
-pub fn rounds_note(rounds: usize, ratio: &str) -> String {
-    if rounds <= 1 {
-        format!("ratio = {ratio}")
-    } else {
-        format!(
+/// The table's footnote on how its figures were taken: `ratio = hrm / transformers`, or over
+/// several rounds the medians and ranges; without a reference side (`ratio` is `None`), only
+/// ours.
+pub fn rounds_note(rounds: usize, ratio: Option<&str>) -> String {
+    match (rounds, ratio) {
+        (0 | 1, Some(ratio)) => format!("ratio = {ratio}"),
+        (0 | 1, None) => "our side only".into(),
+        (_, Some(ratio)) => format!(
             "each figure the median of {rounds} rounds, the sides taking turns to go first; \
              ratio = the median of the rounds' own {ratio}, their range in brackets"
-        )
+        ),
+        (_, None) => format!("each figure the median of {rounds} rounds of our side only"),
     }
 }
 
@@ -272,5 +274,8 @@ mod tests {
             (alone.theirs_cell(0), alone.ratio_cell()),
             ("–".into(), "–".into())
         );
+        assert_eq!(rounds_note(1, Some("a / b")), "ratio = a / b");
+        assert!(rounds_note(3, Some("a / b")).contains("median of 3 rounds"));
+        assert!(!rounds_note(2, None).contains("ratio"));
     }
 }

@@ -123,7 +123,10 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         args.prompt_tokens,
         args.decode_tokens,
         args.threads,
-        super::rounds_note(args.rounds.into(), "hrm / transformers")
+        super::rounds_note(
+            args.rounds.into(),
+            args.python.as_ref().map(|_| "hrm / transformers"),
+        )
     )?;
     print!("{table}");
     if let Some(out) = &args.out {

@@ -139,7 +139,10 @@ pub fn run(args: TrainBenchArgs) -> anyhow::Result<()> {
         args.micro_batch,
         args.steps,
         args.threads,
-        super::rounds_note(args.rounds.into(), "hrm / PyTorch")
+        super::rounds_note(
+            args.rounds.into(),
+            args.python.as_ref().map(|_| "hrm / PyTorch"),
+        )
     )?;
     print!("{table}");
     if let Some(out) = &args.out {
