@@ -7,7 +7,7 @@ pub mod model;
 pub mod network;
 pub mod train;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -54,26 +54,39 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     }
 }
 
-/// Where the reference side of a benchmark runs.
-pub struct SidesConfig<'a> {
-    /// The script under `benches/`.
-    pub script: &'a str,
+/// How both sides of a side-by-side benchmark run: the flags `hrm bench model` and `hrm bench
+/// train` share.
+#[derive(clap::Args)]
+pub struct Sides {
+    /// CPU threads for both sides.
+    #[arg(long, default_value_t = 2)]
     pub threads: usize,
-    /// The Python with torch and transformers; without it only our side runs.
-    pub python: Option<&'a Path>,
+    /// A Python with torch and transformers: runs the reference side. Without it, only ours.
+    #[arg(long, env = "HRM_REFERENCE_PYTHON")]
+    pub python: Option<PathBuf>,
+    /// Measurements of each side per row, alternating which goes first: the table gives each
+    /// side's median and the median (and range) of the rounds' own ratios.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..))]
+    pub rounds: u16,
+}
+
+impl Sides {
+    /// The table's footnote on how its figures were taken, `ratio` naming the ratio column.
+    pub fn note(&self, ratio: &str) -> String {
+        rounds_note(self.rounds.into(), self.python.as_ref().map(|_| ratio))
+    }
 }
 
 /// Runs the same measurement in fresh processes, `hrm bench <subcommand> <shape>` and `python
-/// benches/<script> <script_args> <shape> --threads N`, `rounds` times each, and reads every
+/// benches/<script> <script_args> <shape> --threads N`, `sides.rounds` times each, and reads every
 /// result: one `(ours, theirs)` pair per round. The side that goes first alternates from round
 /// to round, so that a machine whose speed drifts (a VM beside busy neighbours) slows both
 /// sides alike, and each pair's ratio compares two runs taken back to back.
 pub fn side_by_side<T: DeserializeOwned>(
     subcommand: &str,
-    script_args: &[&str],
+    (script, script_args): (&str, &[&str]),
     shape: &[String],
-    sides: &SidesConfig<'_>,
-    rounds: usize,
+    sides: &Sides,
 ) -> anyhow::Result<Vec<(T, Option<T>)>> {
     let ours = || {
         let mut cmd = Command::new(std::env::current_exe()?);
@@ -83,12 +96,12 @@ pub fn side_by_side<T: DeserializeOwned>(
         measure(cmd).context("our side")
     };
     let theirs = || -> anyhow::Result<Option<T>> {
-        let Some(python) = sides.python else {
+        let Some(python) = &sides.python else {
             return Ok(None);
         };
         let script = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../../benches")
-            .join(sides.script);
+            .join(script);
         let mut cmd = Command::new(python);
         cmd.arg(script)
             .args(script_args)
@@ -96,7 +109,7 @@ pub fn side_by_side<T: DeserializeOwned>(
             .args(["--threads", &sides.threads.to_string()]);
         measure(cmd).context("the transformers side").map(Some)
     };
-    (0..rounds.max(1))
+    (0..sides.rounds.max(1))
         .map(|round| {
             if round.is_multiple_of(2) {
                 let ours = ours()?;

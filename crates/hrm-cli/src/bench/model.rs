@@ -16,7 +16,7 @@ use clap::Args;
 use hrm_model::{ForwardBatch, Logits, SeqCache};
 use serde::{Deserialize, Serialize};
 
-use super::{PairedFigure, SidesConfig, side_by_side};
+use super::{PairedFigure, Sides, side_by_side};
 
 #[derive(Args)]
 pub struct ModelBenchArgs {
@@ -29,16 +29,8 @@ pub struct ModelBenchArgs {
     prompt_tokens: usize,
     #[arg(long, default_value_t = 32)]
     decode_tokens: usize,
-    /// CPU threads for both sides.
-    #[arg(long, default_value_t = 2)]
-    threads: usize,
-    /// A Python with torch and transformers: runs the reference side. Without it, only ours.
-    #[arg(long, env = "HRM_REFERENCE_PYTHON")]
-    python: Option<PathBuf>,
-    /// Measurements of each side per row, alternating which goes first: the table gives each
-    /// side's median and the median (and range) of the rounds' own ratios.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..))]
-    rounds: u16,
+    #[command(flatten)]
+    sides: Sides,
     /// Also write the Markdown table here.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -90,14 +82,9 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
             ];
             let rounds: Vec<(Measurement, _)> = side_by_side(
                 "model-run",
-                &["run"],
+                ("transformers_model.py", &["run"]),
                 &shape,
-                &SidesConfig {
-                    script: "transformers_model.py",
-                    threads: args.threads,
-                    python: args.python.as_deref(),
-                },
-                args.rounds.into(),
+                &args.sides,
             )
             .with_context(|| format!("measuring {name}"))?;
             let prefill = PairedFigure::of(&rounds, |m| m.prefill_tokens_per_s);
@@ -122,11 +109,8 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
         "\n{} prompt tokens per sequence, {} decode steps, {} CPU threads, f32 activations; {}.",
         args.prompt_tokens,
         args.decode_tokens,
-        args.threads,
-        super::rounds_note(
-            args.rounds.into(),
-            args.python.as_ref().map(|_| "hrm / transformers"),
-        )
+        args.sides.threads,
+        args.sides.note("hrm / transformers")
     )?;
     print!("{table}");
     if let Some(out) = &args.out {

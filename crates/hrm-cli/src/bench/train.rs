@@ -20,7 +20,7 @@ use hrm_model::train::{AdamWConfig, LrSchedule, ScheduleKind, Trainer};
 use serde::{Deserialize, Serialize};
 
 use super::model::bench_ids;
-use super::{PairedFigure, SidesConfig, side_by_side};
+use super::{PairedFigure, Sides, side_by_side};
 
 #[derive(Args)]
 pub struct TrainBenchArgs {
@@ -36,19 +36,12 @@ pub struct TrainBenchArgs {
     /// Timed optimiser steps (after one warm-up step).
     #[arg(long, default_value_t = 5)]
     steps: usize,
-    #[arg(long, default_value_t = 2)]
-    threads: usize,
-    /// A Python with torch and transformers for the reference side.
-    #[arg(long, env = "HRM_REFERENCE_PYTHON")]
-    python: Option<PathBuf>,
     /// What the PyTorch side trains for a mixture-of-experts config: the same model, with
     /// transformers' Mixtral MoE block as each MLP, or a dense model of the same active size.
     #[arg(long, value_enum, default_value_t = MoeReference::Mixtral)]
     moe_reference: MoeReference,
-    /// Measurements of each side per config, alternating which goes first: the table gives each
-    /// side's median and the median (and range) of the rounds' own ratios.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..))]
-    rounds: u16,
+    #[command(flatten)]
+    sides: Sides,
     #[arg(long)]
     out: Option<PathBuf>,
 }
@@ -108,14 +101,12 @@ pub fn run(args: TrainBenchArgs) -> anyhow::Result<()> {
             .expect("no reference is skipped");
         let rounds: Vec<(TrainMeasurement, _)> = side_by_side(
             "train-run",
-            &["--moe-reference", moe_reference.get_name()],
+            (
+                "transformers_train.py",
+                &["--moe-reference", moe_reference.get_name()],
+            ),
             &shape,
-            &SidesConfig {
-                script: "transformers_train.py",
-                threads: args.threads,
-                python: args.python.as_deref(),
-            },
-            args.rounds.into(),
+            &args.sides,
         )
         .with_context(|| format!("measuring {name}"))?;
         let speed = PairedFigure::of(&rounds, |m| m.tokens_per_s);
@@ -138,11 +129,8 @@ pub fn run(args: TrainBenchArgs) -> anyhow::Result<()> {
         args.seq_len,
         args.micro_batch,
         args.steps,
-        args.threads,
-        super::rounds_note(
-            args.rounds.into(),
-            args.python.as_ref().map(|_| "hrm / PyTorch"),
-        )
+        args.sides.threads,
+        args.sides.note("hrm / PyTorch")
     )?;
     print!("{table}");
     if let Some(out) = &args.out {
