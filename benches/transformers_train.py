@@ -96,11 +96,10 @@ def install_experts(model, config, experts, top_k):
     from transformers.models.hrm_text.modeling_hrm_text import HrmTextDecoderLayer
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
+    # `grouped_mm`: what a Mixtral model that transformers loads runs by default.
     block_config = MixtralConfig(hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
                                  num_local_experts=experts, num_experts_per_tok=top_k, router_jitter_noise=0.0,
-                                 hidden_act="silu")
-    # What a Mixtral model that transformers loads runs by default (`get_correct_experts_implementation`).
-    block_config._experts_implementation = "grouped_mm"
+                                 hidden_act="silu", experts_implementation="grouped_mm")
     routed = []
     for layer in [m for m in model.modules() if isinstance(m, HrmTextDecoderLayer)]:
         block = MixtralSparseMoeBlock(block_config)
