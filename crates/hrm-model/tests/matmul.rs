@@ -1,6 +1,8 @@
 //! candle's CPU matrix multiply, on whichever kernel `gemm` dispatches to on this CPU (AVX-512
-//! where it has AVX-512F, since our manifest turns on gemm's `x86-v4` kernels; AVX2 or scalar
-//! elsewhere), against a plain product in f64, on the shapes the models run.
+//! where it has AVX-512 and the build has our `avx512-gemm` feature, which turns on gemm's
+//! `x86-v4` kernels; AVX2 or scalar otherwise), against a plain product in f64, on the shapes the
+//! models run. `scripts/test` runs these tests with the feature (the workspace's build) and, on
+//! an AVX-512 CPU, again without it, so that both kinds of kernel are tested there.
 //!
 //! The bound is the classic one for any order of summation: |computed - exact| <= k * eps *
 //! sum_k |a_ik * b_kj|, with eps f32's machine epsilon.
@@ -13,6 +15,27 @@ fn random(rows: usize, cols: usize, rng: &mut StdRng) -> Vec<f32> {
     (0..rows * cols)
         .map(|_| rng.random_range(-1.0..1.0))
         .collect()
+}
+
+/// The kernel gemm picks on this CPU for this build, named in every failure: its AVX-512 level
+/// (pulp's `V4`) needs these five features.
+fn gemm_kernel() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if cfg!(feature = "avx512-gemm")
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512cd")
+            && is_x86_feature_detected!("avx512dq")
+            && is_x86_feature_detected!("avx512vl")
+        {
+            return "AVX-512";
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return "AVX2";
+        }
+    }
+    "portable"
 }
 
 /// `x [m, k] · wᵀ` with `w [n, k]`: how a linear layer multiplies.
@@ -34,7 +57,9 @@ fn check_linear(m: usize, k: usize, n: usize) {
             let error = (f64::from(got[i][j]) - exact).abs();
             assert!(
                 error <= bound,
-                "[{m}x{k}]·[{k}x{n}] at ({i}, {j}): {} vs {exact}, error {error:.3e} > {bound:.3e}",
+                "[{m}x{k}]·[{k}x{n}] at ({i}, {j}) on gemm's {} kernel: {} vs {exact}, error \
+                 {error:.3e} > {bound:.3e}",
+                gemm_kernel(),
                 got[i][j]
             );
         }
