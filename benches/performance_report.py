@@ -17,7 +17,9 @@ from --out):
   bandwidth     batch-1 decode tokens/s as a fraction of the memory-bandwidth bound: bytes per
                 token from `hrm serve --dry-run`; read bandwidth the highest of `hrm bench
                 aggregate`'s single-threaded "read once" pass, a numpy sum and a torch sum on
-                --threads threads, so that the bound stays a bound.
+                --threads threads, so that the bound stays a bound; --bandwidth-rounds rounds
+                of the bound and the decode runs back to back, each round's fraction against
+                its own bound.
   rps           requests/s of `hrm serve` on models/sample at batch 8 (8 clients, 16 tokens each,
                 --rps-seconds) against the specification's target of 10.
   quality       models/sample (hrm_text), models/sample-moe (hrm_text_moe) and
@@ -47,6 +49,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -229,7 +232,7 @@ def number(cell):
         return None
 
 
-def bench_model(ctx, name, models, batch_sizes, python=None):
+def bench_model(ctx, name, models, batch_sizes, python=None, rounds=None):
     """`hrm bench model`; returns {(model name, batch): {...}} from its Markdown table."""
     table = os.path.join(ctx.work, f"{name}.md")
     cmd = [ctx.hrm, "bench", "model"]
@@ -238,6 +241,8 @@ def bench_model(ctx, name, models, batch_sizes, python=None):
     cmd += ["--batch-sizes", ",".join(map(str, batch_sizes)), "--threads", str(ctx.threads), "--out", table]
     if python:
         cmd += ["--python", python]
+    if rounds:
+        cmd += ["--rounds", str(rounds)]
     ctx.run(cmd, name)
     rows = []
     with open(table) as f:
@@ -348,16 +353,16 @@ print(best(a.sum, a.nbytes), best(b.sum, a.nbytes))
 """
 
 
-def measure_bandwidth(ctx):
+def measure_bandwidth(ctx, round_):
     """Read bandwidth, three ways in the same run: `hrm bench aggregate`'s "read once" pass (one
     thread, Rust), numpy summing a 1 GiB float32 array (one thread) and torch summing it with
     --threads threads (best of 5 each). The bound uses the highest, so that it stays a bound."""
     command = "hrm bench aggregate --params 10000000 --updates 20"
-    out = ctx.run([ctx.hrm] + command.split()[1:], "aggregate")
+    out = ctx.run([ctx.hrm] + command.split()[1:], f"aggregate-{round_}")
     line = next(l for l in out.splitlines() if l.startswith("read once"))
     result = {"aggregate_read_gb_s": float(line.split()[3]), "aggregate_command": command}
     if ctx.args.ref_python:
-        out = ctx.run([ctx.args.ref_python, "-c", READ_BANDWIDTH, str(ctx.threads)], "read-bandwidth",
+        out = ctx.run([ctx.args.ref_python, "-c", READ_BANDWIDTH, str(ctx.threads)], f"read-bandwidth-{round_}",
                       shown=f"{ctx.args.ref_python} -c READ_BANDWIDTH {ctx.threads}  # numpy and torch sums of 1 GiB")
         result["numpy_sum_gb_s"], result["torch_sum_gb_s"] = map(float, out.split())
     rates = {"`hrm bench aggregate`'s read once (1 thread)": result["aggregate_read_gb_s"]}
@@ -369,29 +374,42 @@ def measure_bandwidth(ctx):
 
 
 def bandwidth_fraction(ctx, gguf_result):
-    """Batch-1 decode tokens/s against bandwidth / bytes per token, for models/sample and the GGUF."""
-    bandwidth = measure_bandwidth(ctx)
-    gbs = bandwidth["bound_gb_s"]
-    speed = bench_model(ctx, "bandwidth-decode", ["models/sample", ctx.args.gguf], [1])
-    decode = {row["model"]: row["decode_hrm"] for row in speed["rows"]}
+    """Batch-1 decode tokens/s against bandwidth / bytes per token, for models/sample and the GGUF.
+
+    The machine's bandwidth moves with the host's load, so the bound and the decode rate are
+    measured back to back, --bandwidth-rounds times: each round's fraction is its decode rate
+    over its own bound, and the table gives the median fraction and its range."""
+    models = ["models/sample", ctx.args.gguf]
+    infos = {model: dry_run(ctx, model) for model in models}
+    rounds = []
+    for i in range(ctx.args.bandwidth_rounds):
+        bandwidth = measure_bandwidth(ctx, i)
+        speed = bench_model(ctx, f"bandwidth-decode-{i}", models, [1], rounds=1)
+        rounds.append({"bandwidth": bandwidth, "command": speed["command"],
+                       "decode": {row["model"]: row["decode_hrm"] for row in speed["rows"]}})
+    bound_gb_s = statistics.median(r["bandwidth"]["bound_gb_s"] for r in rounds)
     rows = []
-    for model in ("models/sample", ctx.args.gguf):
-        info = dry_run(ctx, model)
+    for model in models:
+        info = infos[model]
         bytes_per_token = info["weight_bytes_per_token"]
-        bound = gbs * 1e9 / bytes_per_token
-        measured = decode[os.path.basename(model)]
+        decodes = [r["decode"][os.path.basename(model)] for r in rounds]
+        fractions = [d / (r["bandwidth"]["bound_gb_s"] * 1e9 / bytes_per_token) for d, r in zip(decodes, rounds)]
         rows.append({"model": info["model"], "format": info["format"], "side": "hrm engine (hrm bench model)",
-                     "weight_bytes_per_token": bytes_per_token, "bound_tok_s": bound,
-                     "decode_tok_s": measured, "fraction": measured / bound})
+                     "weight_bytes_per_token": bytes_per_token, "bound_tok_s": bound_gb_s * 1e9 / bytes_per_token,
+                     "decode_tok_s": statistics.median(decodes), "fraction": statistics.median(fractions),
+                     "fraction_range": [min(fractions), max(fractions)]})
         if model == ctx.args.gguf and gguf_result and "runs" in gguf_result:
             for t in gguf_result["runs"]["1"]["targets"]:
                 # ab's output tokens/s at concurrency 1 includes prefill and HTTP: a lower bound
-                # on the server's decode rate.
+                # on the server's decode rate. It was measured earlier in the run, so it is set
+                # against the rounds' median bound.
+                bound = bound_gb_s * 1e9 / bytes_per_token
                 rows.append({"model": info["model"], "format": info["format"],
                              "side": f"{t['target']} (ab, concurrency 1)",
                              "weight_bytes_per_token": bytes_per_token, "bound_tok_s": bound,
                              "decode_tok_s": t["output_tokens_per_s"], "fraction": t["output_tokens_per_s"] / bound})
-    return {"bandwidth": bandwidth, "decode_command": speed["command"], "rows": rows}
+    return {"rounds": [r["bandwidth"] for r in rounds], "bound_gb_s": bound_gb_s,
+            "decode_command": rounds[0]["command"], "rows": rows}
 
 
 def requests_per_second(ctx):
@@ -611,23 +629,39 @@ def md_transformers(r):
 def md_bandwidth(r):
     if "rows" not in r:
         return not_measured(r)
-    b = r["bandwidth"]
-    measured = f"`{b['aggregate_command']}`'s single-threaded \"read once\" pass {b['aggregate_read_gb_s']:.2f} GB/s"
-    if b.get("numpy_sum_gb_s"):
-        measured += (f", numpy summing a 1 GiB float32 array {b['numpy_sum_gb_s']:.2f} GB/s, torch summing it with "
-                     f"{r.get('threads', 2)} threads {b['torch_sum_gb_s']:.2f} GB/s")
-    lines = [header(r, f"{b['aggregate_command']}\n{r['decode_command']}\nhrm serve --dry-run --model-path MODEL"),
-             para(f"Read bandwidth measured in the same run: {measured}. The bound uses the highest, "
-                  f"**{b['bound_gb_s']:.2f} GB/s** ({b['bound_source']}). Bytes per token: "
-                  "`weight_bytes_per_token` of `hrm serve --dry-run` (every weight one decode step reads; "
-                  "HRM-Text's recurrent cycles re-read their layers and count each time). Bound = bandwidth / "
-                  "bytes per token; fraction = measured batch-1 decode tok/s / bound. The server rows are ab's "
-                  "output tok/s at concurrency 1 (prefill and HTTP included), so they understate decode."),
+    rounds = r["rounds"]
+    first = rounds[0]
+
+    def spread(key):
+        values = [b[key] for b in rounds if b.get(key)]
+        return f"{min(values):.1f}–{max(values):.1f} GB/s" if values else None
+
+    measured = [f"`{first['aggregate_command']}`'s single-threaded \"read once\" pass {spread('aggregate_read_gb_s')}"]
+    if spread("numpy_sum_gb_s"):
+        measured += [f"numpy summing a 1 GiB float32 array {spread('numpy_sum_gb_s')}",
+                     f"torch summing it with {r.get('threads', 2)} threads {spread('torch_sum_gb_s')}"]
+    sources = sorted({b["bound_source"] for b in rounds})
+    lines = [header(r, f"{first['aggregate_command']}  # each round\n{r['decode_command']}  # each round\n"
+                        "hrm serve --dry-run --model-path MODEL"),
+             para(f"{len(rounds)} rounds, each measuring the read bandwidth and then both models' batch-1 decode "
+                  f"back to back. Read bandwidth over the rounds: {', '.join(measured)}. Each round's bound uses its "
+                  f"highest ({', '.join(sources)}): {spread('bound_gb_s')}, median **{r['bound_gb_s']:.2f} GB/s**. "
+                  "Bytes per token: `weight_bytes_per_token` of `hrm serve --dry-run` (every weight one decode step "
+                  "reads; HRM-Text's recurrent cycles re-read their layers and count each time). Bound = bandwidth / "
+                  "bytes per token (the table's bound uses the median bandwidth); a round's fraction = its batch-1 "
+                  "decode tok/s / its own bound, and the table gives the median of the rounds' fractions, their "
+                  "range in brackets, beside the median decode rate. The server rows are ab's output tok/s at "
+                  "concurrency 1 from earlier in the run (prefill and HTTP included), against the median bound, so "
+                  "they understate decode."),
              "| model | format | measured | MB per token | bound tok/s | decode tok/s | fraction of bound |",
              "|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
+        fraction = f"**{row['fraction'] * 100:.0f}%**"
+        if "fraction_range" in row:
+            low, high = row["fraction_range"]
+            fraction += f" ({low * 100:.0f}–{high * 100:.0f}%)"
         lines.append(f"| {row['model']} | {row['format']} | {row['side']} | {row['weight_bytes_per_token'] / 1e6:.1f} | "
-                     f"{row['bound_tok_s']:.0f} | {fmt(row['decode_tok_s'])} | **{row['fraction'] * 100:.0f}%** |")
+                     f"{row['bound_tok_s']:.0f} | {fmt(row['decode_tok_s'])} | {fraction} |")
     return "\n".join(lines) + "\n"
 
 
@@ -782,6 +816,8 @@ def main():
                    help="how the report names --hrm-before")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rps-seconds", type=float, default=20.0)
+    p.add_argument("--bandwidth-rounds", type=int, default=5,
+                   help="rounds of the bandwidth part, each a bandwidth measurement and then the decode runs")
     p.add_argument("--lm-eval-limit", type=int, help="documents per model for lm-eval (default: all)")
     p.add_argument("--only", help=f"comma-separated parts: {','.join(PARTS)}")
     p.add_argument("--out", default="bench-out/perf/results.json")
