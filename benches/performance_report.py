@@ -629,7 +629,9 @@ def md_transformers(r):
 def md_bandwidth(r):
     if "rows" not in r:
         return not_measured(r)
-    rounds = r["rounds"]
+    # A results file from before the rounds holds one measurement under "bandwidth".
+    rounds = r.get("rounds") or [r["bandwidth"]]
+    bound_gb_s = r.get("bound_gb_s") or rounds[0]["bound_gb_s"]
     first = rounds[0]
 
     def spread(key):
@@ -643,9 +645,9 @@ def md_bandwidth(r):
     sources = sorted({b["bound_source"] for b in rounds})
     lines = [header(r, f"{first['aggregate_command']}  # each round\n{r['decode_command']}  # each round\n"
                         "hrm serve --dry-run --model-path MODEL"),
-             para(f"{len(rounds)} rounds, each measuring the read bandwidth and then both models' batch-1 decode "
+             para(f"{len(rounds)} round{'s' if len(rounds) != 1 else ''}, each measuring the read bandwidth and then both models' batch-1 decode "
                   f"back to back. Read bandwidth over the rounds: {', '.join(measured)}. Each round's bound uses its "
-                  f"highest ({', '.join(sources)}): {spread('bound_gb_s')}, median **{r['bound_gb_s']:.2f} GB/s**. "
+                  f"highest ({', '.join(sources)}): {spread('bound_gb_s')}, median **{bound_gb_s:.2f} GB/s**. "
                   "Bytes per token: `weight_bytes_per_token` of `hrm serve --dry-run` (every weight one decode step "
                   "reads; HRM-Text's recurrent cycles re-read their layers and count each time). Bound = bandwidth / "
                   "bytes per token (the table's bound uses the median bandwidth); a round's fraction = its batch-1 "
