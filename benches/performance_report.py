@@ -387,15 +387,16 @@ def bandwidth_fraction(ctx, gguf_result):
         speed = bench_model(ctx, f"bandwidth-decode-{i}", models, [1], rounds=1)
         rounds.append({"bandwidth": bandwidth, "command": speed["command"],
                        "decode": {row["model"]: row["decode_hrm"] for row in speed["rows"]}})
-    bound_gb_s = statistics.median(r["bandwidth"]["bound_gb_s"] for r in rounds)
+    bound_gb_s = median_bound(r["bandwidth"] for r in rounds)
     rows = []
     for model in models:
         info = infos[model]
         bytes_per_token = info["weight_bytes_per_token"]
+        bound = bound_gb_s * 1e9 / bytes_per_token
         decodes = [r["decode"][os.path.basename(model)] for r in rounds]
         fractions = [d / (r["bandwidth"]["bound_gb_s"] * 1e9 / bytes_per_token) for d, r in zip(decodes, rounds)]
         rows.append({"model": info["model"], "format": info["format"], "side": "hrm engine (hrm bench model)",
-                     "weight_bytes_per_token": bytes_per_token, "bound_tok_s": bound_gb_s * 1e9 / bytes_per_token,
+                     "weight_bytes_per_token": bytes_per_token, "bound_tok_s": bound,
                      "decode_tok_s": statistics.median(decodes), "fraction": statistics.median(fractions),
                      "fraction_range": [min(fractions), max(fractions)]})
         if model == ctx.args.gguf and gguf_result and "runs" in gguf_result:
@@ -403,13 +404,16 @@ def bandwidth_fraction(ctx, gguf_result):
                 # ab's output tokens/s at concurrency 1 includes prefill and HTTP: a lower bound
                 # on the server's decode rate. It was measured earlier in the run, so it is set
                 # against the rounds' median bound.
-                bound = bound_gb_s * 1e9 / bytes_per_token
                 rows.append({"model": info["model"], "format": info["format"],
                              "side": f"{t['target']} (ab, concurrency 1)",
                              "weight_bytes_per_token": bytes_per_token, "bound_tok_s": bound,
                              "decode_tok_s": t["output_tokens_per_s"], "fraction": t["output_tokens_per_s"] / bound})
-    return {"rounds": [r["bandwidth"] for r in rounds], "bound_gb_s": bound_gb_s,
-            "decode_command": rounds[0]["command"], "rows": rows}
+    return {"rounds": [r["bandwidth"] for r in rounds], "decode_command": rounds[0]["command"], "rows": rows}
+
+
+def median_bound(rounds):
+    """The median of the rounds' bounds, in GB/s."""
+    return statistics.median(b["bound_gb_s"] for b in rounds)
 
 
 def requests_per_second(ctx):
@@ -631,7 +635,6 @@ def md_bandwidth(r):
         return not_measured(r)
     # A results file from before the rounds holds one measurement under "bandwidth".
     rounds = r.get("rounds") or [r["bandwidth"]]
-    bound_gb_s = r.get("bound_gb_s") or rounds[0]["bound_gb_s"]
     first = rounds[0]
 
     def spread(key):
@@ -647,7 +650,7 @@ def md_bandwidth(r):
                         "hrm serve --dry-run --model-path MODEL"),
              para(f"{len(rounds)} round{'s' if len(rounds) != 1 else ''}, each measuring the read bandwidth and then both models' batch-1 decode "
                   f"back to back. Read bandwidth over the rounds: {', '.join(measured)}. Each round's bound uses its "
-                  f"highest ({', '.join(sources)}): {spread('bound_gb_s')}, median **{bound_gb_s:.2f} GB/s**. "
+                  f"highest ({', '.join(sources)}): {spread('bound_gb_s')}, median **{median_bound(rounds):.2f} GB/s**. "
                   "Bytes per token: `weight_bytes_per_token` of `hrm serve --dry-run` (every weight one decode step "
                   "reads; HRM-Text's recurrent cycles re-read their layers and count each time). Bound = bandwidth / "
                   "bytes per token (the table's bound uses the median bandwidth); a round's fraction = its batch-1 "
