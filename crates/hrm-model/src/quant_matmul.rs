@@ -41,8 +41,9 @@
 //!   blocks per register, paired by shuffles) measured slower than either on an AVX-512 AMD
 //!   EPYC (its 512-bit operations take two 256-bit passes) and no faster on an AVX-512 Intel
 //!   Xeon. One on this layout (two pairs per register, Q4_1 with no shuffles) measured 0.9× the
-//!   256-bit VNNI kernel at batch 8 on a Zen 5 AMD EPYC, whose 512-bit units are full width,
-//!   and no faster at batch 1, where the kernel waits for memory; so there is none.
+//!   256-bit VNNI kernel at batch 8 on a Zen 5 AMD EPYC (family 26, model 2), whose 512-bit
+//!   units are full width, and no faster at batch 1, where the kernel waits for memory; so
+//!   there is none.
 //! - Outputs differ from candle's (f16 scales, another summation order) and from the exact
 //!   product by the activations' 8-bit rounding: at most `Σ_b (d_x,b / 2) · Σ|w_b|` plus f32
 //!   rounding, which the tests check.
