@@ -31,7 +31,7 @@ from --out):
 
 Writes every figure to --out (JSON) and replaces the block between
 `<!-- performance-report:begin -->` and `<!-- performance-report:end -->` in docs/performance.md
-(which must exist); ab's charts are copied to docs/perf/.
+(which must exist); ab's charts are copied to docs/perf/ (with --no-doc, beside --out).
 Servers run in their own process groups on free ports and are killed on exit.
 
 Installing the peers (large; not part of CI): llama-cpp-python's server and llama.cpp's
@@ -207,8 +207,8 @@ def bench_ab(ctx, name, targets, prompts, concurrency, max_tokens, requests=None
 
 
 def copy_charts(ctx, ab, prefix):
-    """Copies ab's latency.png and throughput.png to docs/perf/PREFIX-*.png; returns their paths
-    relative to docs/."""
+    """Copies ab's latency.png and throughput.png to CHARTS/PREFIX-*.png (`--charts`); returns
+    their paths relative to the page's folder."""
     os.makedirs(ctx.args.charts, exist_ok=True)
     copied = {}
     for chart in ("latency", "throughput"):
@@ -827,9 +827,14 @@ def main():
     p.add_argument("--only", help=f"comma-separated parts: {','.join(PARTS)}")
     p.add_argument("--out", default="bench-out/perf/results.json")
     p.add_argument("--doc", default="docs/performance.md")
-    p.add_argument("--charts", default="docs/perf")
-    p.add_argument("--no-doc", action="store_true", help="write the JSON only")
+    p.add_argument("--charts", help="where ab's charts go (default: docs/perf, or with --no-doc a "
+                                    "charts/ folder beside --out)")
+    p.add_argument("--no-doc", action="store_true",
+                   help="write the JSON (and the charts beside it) only: docs/ stays as it is")
     args = p.parse_args()
+    if args.charts is None:
+        # Charts copied into docs/perf would replace those of the report the page shows.
+        args.charts = os.path.join(os.path.dirname(args.out) or ".", "charts") if args.no_doc else "docs/perf"
     os.chdir(ROOT)
     # SIGTERM unwinds like Ctrl-C, so that the servers' process groups are killed on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
