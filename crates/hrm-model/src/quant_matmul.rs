@@ -36,14 +36,15 @@
 //! - A row of an odd number of blocks ends in half a pair: the other half's weights,
 //!   activations and scales are zeros, whose products add exact zeros.
 //! - VNNI's `vpdpbusd` (AVX-512 VNNI on 256-bit registers) forms each lane's four products and
-//!   their sum in one instruction, where AVX2 needs two (`maddubs`, then `madd`); both sums are
-//!   exact, so the two kernels differ only in speed. A 512-bit kernel on ggml's layout (two
-//!   blocks per register, paired by shuffles) measured slower than either on an AVX-512 AMD
-//!   EPYC (its 512-bit operations take two 256-bit passes) and no faster on an AVX-512 Intel
-//!   Xeon. One on this layout (two pairs per register, Q4_1 with no shuffles) measured 0.9× the
-//!   256-bit VNNI kernel at batch 8 on a Zen 5 AMD EPYC (family 26, model 2), whose 512-bit
-//!   units are full width, and no faster at batch 1, where the kernel waits for memory; so
-//!   there is none.
+//!   their sum in one instruction, where AVX2 needs two (`maddubs`, then `madd`; for Q4_1 the
+//!   two registers of a pair share one `madd`, their nibble products small enough to add in
+//!   i16 first); all these sums are exact, so the kernels differ only in speed. A 512-bit
+//!   kernel on ggml's layout (two blocks per register, paired by shuffles) measured slower
+//!   than either on an AVX-512 AMD EPYC (its 512-bit operations take two 256-bit passes) and
+//!   no faster on an AVX-512 Intel Xeon. One on this layout (two pairs per register, Q4_1 with
+//!   no shuffles) measured 0.9× the 256-bit VNNI kernel at batch 8 on a Zen 5 AMD EPYC
+//!   (family 26, model 2), whose 512-bit units are full width, and no faster at batch 1,
+//!   where the kernel waits for memory; so there is none.
 //! - Outputs differ from candle's (f16 scales, another summation order) and from the exact
 //!   product by the activations' 8-bit rounding: at most `Σ_b (d_x,b / 2) · Σ|w_b|` plus f32
 //!   rounding, which the tests check.
@@ -579,6 +580,20 @@ mod avx2 {
         _mm256_add_epi32(half(w[0], x[0]), half(w[1], x[1]))
     }
 
+    /// [`lane_sums`] for Q4_1, whose weights are nibbles: the two halves' pair sums are added in
+    /// i16 before one `madd` (four instructions instead of five). Each pair sum is at most
+    /// 2 · 15 · 128, so their sum stays far inside i16, and the lanes are the same exact
+    /// integers. Q8_0's pair sums reach 2 · 128 · 127 and would overflow.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    pub(super) fn lane_sums_nibbles(w: [__m256i; 2], x: [__m256i; 2]) -> __m256i {
+        let pairs = _mm256_add_epi16(
+            _mm256_maddubs_epi16(w[0], x[0]),
+            _mm256_maddubs_epi16(w[1], x[1]),
+        );
+        _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+    }
+
     /// [`lane_sums`] in VNNI's byte dot products.
     #[target_feature(enable = "avx2,avx512vl,avx512vnni")]
     #[inline]
@@ -694,7 +709,7 @@ mod avx2 {
 /// The AVX2 kernel's rows, once for each way of forming a pair's lane sums.
 #[cfg(target_arch = "x86_64")]
 macro_rules! byte_dot_kernel {
-    ($name:ident, $features:literal, $lane_sums:path) => {
+    ($name:ident, $features:literal, $lane_sums:path, $nibble_sums:path) => {
         mod $name {
             use std::arch::x86_64::*;
 
@@ -781,7 +796,11 @@ macro_rules! byte_dot_kernel {
                                     _mm256_sign_epi8(x[1], signed[1]),
                                 ]
                             };
-                            let sums = _mm256_cvtepi32_ps($lane_sums(weights, x));
+                            let sums = _mm256_cvtepi32_ps(if Q4_1 {
+                                $nibble_sums(weights, x)
+                            } else {
+                                $lane_sums(weights, x)
+                            });
                             let scale = _mm256_permutevar8x32_ps(dd[r], *spread);
                             acc[r] = _mm256_fmadd_ps(scale, sums, acc[r]);
                         }
@@ -808,11 +827,17 @@ macro_rules! byte_dot_kernel {
 }
 
 #[cfg(target_arch = "x86_64")]
-byte_dot_kernel!(avx2_rows, "avx2,fma,f16c", super::avx2::lane_sums);
+byte_dot_kernel!(
+    avx2_rows,
+    "avx2,fma,f16c",
+    super::avx2::lane_sums,
+    super::avx2::lane_sums_nibbles
+);
 #[cfg(target_arch = "x86_64")]
 byte_dot_kernel!(
     vnni_rows,
     "avx2,fma,f16c,avx512vl,avx512vnni",
+    super::avx2::lane_sums_vnni,
     super::avx2::lane_sums_vnni
 );
 
