@@ -864,7 +864,11 @@ mod tests {
     }
 
     fn quantized(format: Format, out: usize, k: usize, seed: u64) -> Arc<QTensor> {
-        let w = Tensor::from_vec(random((out, k), seed), (out, k), &Device::Cpu).unwrap();
+        quantized_from(format, random((out, k), seed), out, k)
+    }
+
+    fn quantized_from(format: Format, values: Vec<f32>, out: usize, k: usize) -> Arc<QTensor> {
+        let w = Tensor::from_vec(values, (out, k), &Device::Cpu).unwrap();
         let dtype = match format {
             Format::Q4_1 => GgmlDType::Q4_1,
             Format::Q8_0 => GgmlDType::Q8_0,
@@ -898,6 +902,38 @@ mod tests {
                             "{format:?} {kernel:?} ({out}, {k}) × {rows}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// The largest byte products the kernels meet, where a pair sum added in i16 would
+    /// saturate first: Q4_1 nibbles at 15 and Q8_0 quants at ±127 (each block at its maximum
+    /// but for one zero), against activations at ±127, rows of either sign. Every kernel still
+    /// gives the scalar kernel's bits.
+    #[test]
+    fn the_largest_byte_products_give_the_scalar_bits() {
+        let (out, k) = (6, 576);
+        let weights: Vec<f32> = (0..out * k)
+            .map(|i| match (i % QK, i / k % 3) {
+                (0, _) => 0.0,
+                (_, 0) => 1.0,
+                (_, 1) => -1.0,
+                _ if i % 2 == 0 => 1.0,
+                _ => -1.0,
+            })
+            .collect();
+        for format in FORMATS {
+            let w = quantized_from(format, weights.clone(), out, k);
+            let w = QuantMatrix::from_qtensor(&w).unwrap();
+            for rows in [1, 8, 9] {
+                let x: Vec<f32> = (0..rows * k)
+                    .map(|i| if i / k % 2 == 0 { 1.0 } else { -1.0 })
+                    .collect();
+                let scalar = w.matmul_with(Kernel::Scalar, &x, rows);
+                for kernel in Kernel::supported() {
+                    let got = w.matmul_with(kernel, &x, rows);
+                    assert_eq!(bits(&scalar), bits(&got), "{format:?} {kernel:?} × {rows}");
                 }
             }
         }
