@@ -908,9 +908,9 @@ mod tests {
     }
 
     /// The largest byte products the kernels meet, where a pair sum added in i16 would
-    /// saturate first: Q4_1 nibbles at 15 and Q8_0 quants at ±127 (each block at its maximum
-    /// but for one zero), against activations at ±127, rows of either sign. Every kernel still
-    /// gives the scalar kernel's bits.
+    /// saturate first: weight blocks all +1, all −1 or alternating (one zero each), so Q4_1
+    /// nibbles at 15 and Q8_0 quants at ±127, against activations at ±127 in rows of either
+    /// sign. Every kernel still gives the scalar kernel's bits.
     #[test]
     fn the_largest_byte_products_give_the_scalar_bits() {
         let (out, k) = (6, 576);
