@@ -882,6 +882,22 @@ mod tests {
 
     const FORMATS: [Format; 2] = [Format::Q4_1, Format::Q8_0];
 
+    /// `x · wᵀ` (`rows` rows) on every kernel this CPU has, bit for bit the scalar kernel's.
+    fn assert_every_kernel_gives_the_scalar_bits(w: &QuantMatrix, x: &[f32], rows: usize) {
+        let scalar = w.matmul_with(Kernel::Scalar, x, rows);
+        for kernel in Kernel::supported() {
+            let got = w.matmul_with(kernel, x, rows);
+            assert_eq!(
+                bits(&scalar),
+                bits(&got),
+                "{:?} {kernel:?} ({}, {}) × {rows}",
+                w.format,
+                w.out,
+                w.k
+            );
+        }
+    }
+
     /// Every kernel this CPU has gives the scalar kernel's bits, for every remainder of the row
     /// tile, odd and even block counts, scale groups cut short at a row's end, and outputs that
     /// leave a short last chunk.
@@ -893,15 +909,7 @@ mod tests {
                 // No rows (an empty batch) up to more than one tile of the widest kernel.
                 for rows in 0..=9 {
                     let x = random((rows, k), 7 + rows as u64);
-                    let scalar = w.matmul_with(Kernel::Scalar, &x, rows);
-                    for kernel in Kernel::supported() {
-                        let got = w.matmul_with(kernel, &x, rows);
-                        assert_eq!(
-                            bits(&scalar),
-                            bits(&got),
-                            "{format:?} {kernel:?} ({out}, {k}) × {rows}"
-                        );
-                    }
+                    assert_every_kernel_gives_the_scalar_bits(&w, &x, rows);
                 }
             }
         }
@@ -930,11 +938,7 @@ mod tests {
                 let x: Vec<f32> = (0..rows * k)
                     .map(|i| if i / k % 2 == 0 { 1.0 } else { -1.0 })
                     .collect();
-                let scalar = w.matmul_with(Kernel::Scalar, &x, rows);
-                for kernel in Kernel::supported() {
-                    let got = w.matmul_with(kernel, &x, rows);
-                    assert_eq!(bits(&scalar), bits(&got), "{format:?} {kernel:?} × {rows}");
-                }
+                assert_every_kernel_gives_the_scalar_bits(&w, &x, rows);
             }
         }
     }
