@@ -5,11 +5,13 @@ the same number of threads.
 
     python3 benches/gemm_compare.py --python /tmp/ref/bin/python --rounds 3
     python3 benches/gemm_compare.py --python /tmp/ref/bin/python --features avx512-gemm
+    python3 benches/gemm_compare.py --python /tmp/ref/bin/python --threads 1   # one core each
 
-`--python` is a Python with numpy and torch (the reference environment of tests/reference);
-ours is `cargo bench -p hrm-model --bench matmul` (its shapes are defined there), built first.
-Prints one Markdown row per shape: GFLOP/s of each side (median over the rounds) and ours as a
-share of the faster BLAS.
+`--threads 1` asks what one core of each does: the question for our products, which cut each
+large product into one single-threaded block per thread. `--python` is a Python with numpy and
+torch (the reference environment of tests/reference); ours is `cargo bench -p hrm-model --bench
+matmul` (its shapes are defined there), built first. Prints one Markdown row per shape: GFLOP/s
+of each side (median over the rounds) and ours as a share of the faster BLAS.
 """
 
 import argparse
@@ -44,10 +46,12 @@ for line in sys.stdin:
 """
 
 
-def ours(reps, features):
+def ours(reps, features, threads):
     cmd = ["cargo", "bench", "-q", "-p", "hrm-model", "--bench", "matmul", "--features", features,
            "--", "--reps", str(reps)]
-    out = subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    # candle sizes its matmul's thread pool from rayon's variable.
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+    out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
@@ -72,7 +76,7 @@ def main():
     shapes = None
     for round_ in range(args.rounds):
         print(f"round {round_ + 1} of {args.rounds}", file=sys.stderr)
-        candle = ours(args.reps, args.features)
+        candle = ours(args.reps, args.features, args.threads)
         shapes = shapes or candle
         for s in candle:
             seconds.setdefault((s["shape"], "candle"), []).append(s["seconds"])
