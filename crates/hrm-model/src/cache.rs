@@ -120,6 +120,98 @@ impl SeqCache {
             buffers.values.narrow(2, 0, buffers.len)?,
         ))
     }
+
+    /// Appends one position's keys and values (`[kv_heads, head_dim]` each, f32) to `slot`,
+    /// rounded to the cache's dtype as [`Self::append`] rounds them, written into the buffers
+    /// in place.
+    fn append_position(
+        &mut self,
+        slot: usize,
+        (k, v): (&[f32], &[f32]),
+        kv_heads: usize,
+    ) -> Result<()> {
+        let Some(entry) = self.slots.get_mut(slot) else {
+            candle_core::bail!("KV-cache slot {slot} out of range ({})", self.slots.len())
+        };
+        if kv_heads == 0 || k.len() != v.len() || !k.len().is_multiple_of(kv_heads) {
+            candle_core::bail!(
+                "KV cache: {} keys and {} values over {kv_heads} heads",
+                k.len(),
+                v.len()
+            )
+        }
+        let head_dim = k.len() / kv_heads;
+        let buffers = match entry {
+            Some(buffers) => buffers,
+            None => {
+                let empty = || {
+                    let shape = (1, kv_heads, first_capacity(1), head_dim);
+                    Tensor::zeros(shape, self.dtype, &Device::Cpu)
+                };
+                entry.insert(SlotBuffers {
+                    keys: empty()?,
+                    values: empty()?,
+                    len: 0,
+                })
+            }
+        };
+        buffers.reserve(buffers.len + 1)?;
+        let position = buffers.len;
+        buffers
+            .keys
+            .inplace_op1(&WritePosition { rows: k, position })?;
+        buffers
+            .values
+            .inplace_op1(&WritePosition { rows: v, position })?;
+        buffers.len += 1;
+        Ok(())
+    }
+}
+
+/// Writes `rows` (one row per head, `[heads, head_dim]`) at `position` of a contiguous
+/// `[1, heads, capacity, head_dim]` cache buffer, converted to the buffer's dtype.
+struct WritePosition<'a> {
+    rows: &'a [f32],
+    position: usize,
+}
+
+impl candle_core::InplaceOp1 for WritePosition<'_> {
+    fn name(&self) -> &'static str {
+        "kv-cache-write-position"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> Result<()> {
+        let (_, heads, capacity, head_dim) = layout.shape().dims4()?;
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("KV cache: a buffer is not contiguous")
+        };
+        if self.rows.len() != heads * head_dim || self.position >= capacity {
+            candle_core::bail!("KV cache: a position that does not fit its buffer")
+        }
+        let at = |h: usize| start + (h * capacity + self.position) * head_dim;
+        let heads_rows = self.rows.chunks_exact(head_dim).enumerate();
+        match storage {
+            candle_core::CpuStorage::F32(buffer) if buffer.len() >= end => {
+                for (h, row) in heads_rows {
+                    buffer[at(h)..][..head_dim].copy_from_slice(row);
+                }
+            }
+            candle_core::CpuStorage::F16(buffer) if buffer.len() >= end => {
+                for (h, row) in heads_rows {
+                    let out = &mut buffer[at(h)..][..head_dim];
+                    for (out, &x) in out.iter_mut().zip(row) {
+                        *out = half::f16::from_f32(x);
+                    }
+                }
+            }
+            _ => candle_core::bail!("KV cache: buffers hold f32 or f16"),
+        }
+        Ok(())
+    }
 }
 
 /// Where each row of a batch stands: how much padding precedes its new tokens, how many
@@ -334,16 +426,66 @@ impl<'c> ForwardBatch<'c> {
             cache.append(slot, &k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?)?;
         }
         let q = q.contiguous()?;
-        let slots: Vec<&SlotBuffers> = self
+        let out = {
+            let (q_storage, q_layout) = q.storage_and_layout();
+            self.attend_cached(
+                slot,
+                crate::fused::values(crate::fused::cpu_storage(&q_storage)?, q_layout)?,
+                crate::decode_attention::Heads {
+                    heads,
+                    kv_heads,
+                    head_dim,
+                },
+                scale as f32,
+            )?
+        };
+        Tensor::from_vec(out, (batch, 1, heads, head_dim), q.device()).map(Some)
+    }
+
+    /// Whether this pass is a decode step: one new position per row, each row with its cache.
+    pub(crate) fn is_decode_step(&self) -> bool {
+        !self.caches.is_empty() && self.seq_len == 1
+    }
+
+    /// Appends one position's keys and values (`[kv_heads, head_dim]` each) to row `row`'s
+    /// cache slot, rounded to the cache's dtype and written in place: the values
+    /// [`Self::decode_attention`]'s append writes, without a tensor op.
+    pub(crate) fn append_position(
+        &mut self,
+        slot: usize,
+        row: usize,
+        (k, v): (&[f32], &[f32]),
+        kv_heads: usize,
+    ) -> Result<()> {
+        let Some(cache) = self.caches.get_mut(row) else {
+            candle_core::bail!("KV cache: row {row} out of range ({})", self.caches.len())
+        };
+        cache.append_position(slot, (k, v), kv_heads)
+    }
+
+    /// The attention of a decode step whose keys and values are already in every row's cache
+    /// `slot`, read in place by `decode_attention.rs`: `q` is `[batch, heads, head_dim]`, and
+    /// so is the result.
+    pub(crate) fn attend_cached(
+        &self,
+        slot: usize,
+        q: &[f32],
+        shape: crate::decode_attention::Heads,
+        scale: f32,
+    ) -> Result<Vec<f32>> {
+        let slots = self
             .caches
             .iter()
-            .map(|c| c.slots[slot].as_ref().expect("appended above"))
-            .collect();
+            .map(|c| match c.slots.get(slot) {
+                Some(Some(buffers)) => Ok(buffers),
+                _ => candle_core::bail!("KV cache: slot {slot} holds nothing to attend to"),
+            })
+            .collect::<Result<Vec<&SlotBuffers>>>()?;
         let storages: Vec<_> = slots
             .iter()
             .map(|s| (s.keys.storage_and_layout(), s.values.storage_and_layout()))
             .collect();
-        let mut views = Vec::with_capacity(batch);
+        let mut views = Vec::with_capacity(slots.len());
         for (slot, ((keys, k_layout), (values, v_layout))) in slots.iter().zip(&storages) {
             views.push(crate::decode_attention::CacheView {
                 buffers: buffers(
@@ -354,20 +496,7 @@ impl<'c> ForwardBatch<'c> {
                 len: slot.len,
             });
         }
-        let out = {
-            let (q_storage, q_layout) = q.storage_and_layout();
-            crate::decode_attention::attend(
-                crate::fused::values(crate::fused::cpu_storage(&q_storage)?, q_layout)?,
-                &views,
-                crate::decode_attention::Heads {
-                    heads,
-                    kv_heads,
-                    head_dim,
-                },
-                scale as f32,
-            )
-        };
-        Tensor::from_vec(out, (batch, 1, heads, head_dim), q.device()).map(Some)
+        Ok(crate::decode_attention::attend(q, &views, shape, scale))
     }
 
     /// Records that every cache now holds this pass's tokens. Called once after the pass.

@@ -124,6 +124,11 @@ impl RmsNorm {
         })
     }
 
+    /// The learned scale and epsilon, for a norm that has a scale.
+    pub(crate) fn scale_and_eps(&self) -> Option<(&Tensor, f32)> {
+        self.weight.as_ref().map(|w| (w, self.eps as f32))
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
         // On the CPU in f32 our kernels serve inference as well as training: they give the same
@@ -193,6 +198,10 @@ impl Rotary {
             inv_freq: Tensor::from_vec(inv_freq, (1, len), device)?,
             layout,
         })
+    }
+
+    pub(crate) fn layout(&self) -> RopeLayout {
+        self.layout
     }
 
     /// `(cos, sin)` of shape `[batch, seq_len, head_dim / 2]` for the batch's positions.
@@ -558,6 +567,21 @@ impl DecoderLayer {
     /// Returns the new hidden states at the positions `outputs` names and, for a
     /// mixture-of-experts block, its load-balancing loss.
     pub fn forward(
+        &self,
+        x: &Tensor,
+        batch: &mut ForwardBatch<'_>,
+        ctx: &AttnContext<'_>,
+        slot: usize,
+        outputs: Outputs,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        if let Some(out) = crate::decode_layer::forward(self, x, batch, ctx, slot)? {
+            return Ok((out, None));
+        }
+        self.forward_by_tensor_ops(x, batch, ctx, slot, outputs)
+    }
+
+    /// [`Self::forward`] op by op, the path every pass but a GGUF block's decode step takes.
+    pub(crate) fn forward_by_tensor_ops(
         &self,
         x: &Tensor,
         batch: &mut ForwardBatch<'_>,

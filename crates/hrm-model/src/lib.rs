@@ -14,6 +14,7 @@
 pub mod cache;
 pub mod config;
 mod decode_attention;
+mod decode_layer;
 mod decode_matmul;
 pub mod device;
 pub mod engine;

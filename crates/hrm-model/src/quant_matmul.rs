@@ -235,7 +235,7 @@ impl QuantMatrix {
     }
 
     /// `x · Wᵀ` for `rows` f32 rows of length `in`, row-major (rows, out).
-    fn matmul(&self, x: &[f32], rows: usize) -> Vec<f32> {
+    pub(crate) fn matmul(&self, x: &[f32], rows: usize) -> Vec<f32> {
         self.matmul_with(Kernel::detect(), x, rows)
     }
 

@@ -391,6 +391,15 @@ impl ScaledRmsNormOp {
     }
 }
 
+/// One row of [`ScaledRmsNormOp`]: `y = x / sqrt(mean(x²) + eps) · w`.
+pub(crate) fn scaled_rms_norm_row(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
+    let scale = rms(x, eps);
+    for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
+        // The unscaled norm's division, then the product, as the composed form.
+        *y = (x / scale) * w;
+    }
+}
+
 impl CustomOp2 for ScaledRmsNormOp {
     fn name(&self) -> &'static str {
         "fused-scaled-rms-norm"
@@ -406,12 +415,7 @@ impl CustomOp2 for ScaledRmsNormOp {
         let x = Rows::new(x_storage, x_layout)?;
         let w = Self::scale(w_storage, w_layout, x.width)?;
         let out = fill_rows(x.count, x.width, |i, y| {
-            let x = x.row(i);
-            let scale = rms(x, self.eps);
-            for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
-                // The unscaled norm's division, then the product, as the composed form.
-                *y = (x / scale) * w;
-            }
+            scaled_rms_norm_row(x.row(i), w, self.eps, y);
         });
         Ok((CpuStorage::F32(out), x_layout.shape().clone()))
     }
@@ -623,12 +627,17 @@ fn swiglu_rows(both: &Rows) -> Vec<f32> {
     let width = both.width / 2;
     fill_rows(both.count, width, |i, out| {
         let (gate, up) = both.row(i).split_at(width);
-        out.copy_from_slice(gate);
-        exp::sigmoid_in_place(out);
-        for ((out, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-            *out *= g * u;
-        }
+        swiglu_row(gate, up, out);
     })
+}
+
+/// `silu(gate) · up` of one row, into `out`.
+pub(crate) fn swiglu_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    out.copy_from_slice(gate);
+    exp::sigmoid_in_place(out);
+    for ((out, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *out *= g * u;
+    }
 }
 
 /// The gradient of [`swiglu_rows`] at `both` from the output's gradient `grad`, in `both`'s
@@ -749,7 +758,7 @@ impl CustomOp3 for RopeOp {
 ///
 /// Each layout's loop runs over zipped slices, with no index to check, so that the compiler turns
 /// the halves' loop into vector code; what is left of its time is loading the projection's rows.
-fn rotate(layout: RopeLayout, x: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32]) {
+pub(crate) fn rotate(layout: RopeLayout, x: &[f32], cos: &[f32], sin: &[f32], out: &mut [f32]) {
     let turn = |(a, b): (f32, f32), (&c, &s): (&f32, &f32)| (a * c - b * s, a * s + b * c);
     let angles = cos.iter().zip(sin);
     match layout {
