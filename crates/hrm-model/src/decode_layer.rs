@@ -1,24 +1,29 @@
-//! A Llama-family block's decode step on the CPU, on raw buffers from its input norm to its
-//! second residual add.
+//! A pre-norm block's decode step on the CPU, on raw buffers from its input norm to its second
+//! residual add.
 //!
 //! At one new position per sequence, each of a block's four products takes a few microseconds,
-//! and the general path ([`DecoderLayer::forward`]) runs some twenty tensor ops between them:
-//! norms, narrows, copies for reshapes, RoPE, the cache's appends, the residual adds. Each one
-//! allocates its output and goes through candle's bookkeeping on the calling thread, while the
-//! team's other thread waits for the next product. Here the same arithmetic runs as loops over
-//! the block's own buffers, and only the products and attention go to the team.
+//! and the general path ([`DecoderLayer::forward_by_tensor_ops`]) runs some twenty tensor ops
+//! between them: norms, narrows, copies for reshapes, RoPE, the cache's appends, the attention
+//! gate, the residual adds. Each one allocates its output and goes through candle's bookkeeping
+//! on the calling thread, while the team's other thread waits for the next product. Here the
+//! same arithmetic runs as loops over the block's own buffers, and only the products and
+//! attention go to the team.
 //!
 //! Invariants:
 //! - Only decode steps come here: one new position per row, rows with caches, at least one row
 //!   with something cached (a step where every row is new takes the prompt's attention op), f32
-//!   on the CPU, no gradient. The block must hold what a GGUF's blocks hold on the CPU: weights
-//!   repacked for `quant_matmul.rs`, one stacked q/k/v product and one stacked gate/up product,
-//!   scaled norms and a dense MLP. Any other pass or block takes the general path.
+//!   on the CPU, no gradient. The block must be a dense SwiGLU block with one stacked input
+//!   product (a GGUF's q/k/v, HRM-Text's gate/q/k/v) and one stacked gate/up product, each
+//!   product either GGUF weights repacked for `quant_matmul.rs` or dense f32 weights for
+//!   `decode_matmul.rs`. Any other pass or block (mixture-of-experts, separate projections,
+//!   other dtypes) takes the general path.
 //! - The same kernels run in the same order as on the general path, so the results are the
-//!   same bits: the norm's row ([`crate::fused::scaled_rms_norm_row`]), the products
-//!   ([`QuantMatrix::matmul`]), the rotation ([`crate::fused::rotate`]), the cache's rounding,
-//!   decode attention ([`ForwardBatch::attend_cached`]) and the gating
-//!   ([`crate::fused::swiglu_row`]). The tests compare hidden states and caches bit for bit.
+//!   same bits: the norms' rows ([`crate::fused::rms_norm_row`],
+//!   [`crate::fused::scaled_rms_norm_row`]), the products, the rotation
+//!   ([`crate::fused::rotate`]), the cache's rounding, decode attention
+//!   ([`ForwardBatch::attend_cached`]), the gate's sigmoid ([`crate::fused::sigmoid_in_place`])
+//!   and SwiGLU ([`crate::fused::swiglu_row`]). The tests compare hidden states bit for bit,
+//!   step after step.
 
 use candle_core::{DType, Result, Tensor};
 
@@ -29,29 +34,100 @@ use crate::layers::{
 };
 use crate::quant_matmul::QuantMatrix;
 
+/// One of the block's products.
+enum Product<'a> {
+    Repacked(&'a QuantMatrix),
+    /// Dense f32 weights `[out, in]`, contiguous on the CPU.
+    Dense(&'a Tensor),
+}
+
+impl<'a> Product<'a> {
+    fn of(linear: &'a Linear) -> Option<Self> {
+        match linear {
+            Linear::Repacked(q) => Some(Self::Repacked(q)),
+            Linear::Dense(l) => {
+                let w = l.weight();
+                let dense = w.device().is_cpu()
+                    && w.dtype() == DType::F32
+                    && w.rank() == 2
+                    && w.is_contiguous()
+                    && !w.track_op();
+                dense.then_some(Self::Dense(w))
+            }
+            Linear::Quantized(_) => None,
+        }
+    }
+
+    /// `x · wᵀ` for `rows` rows of `x`, as `Linear::forward` computes it for one position per
+    /// sequence.
+    fn apply(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        match self {
+            Self::Repacked(q) => Ok(q.matmul(x, rows)),
+            Self::Dense(w) => {
+                let (out, k) = w.dims2()?;
+                if x.len() != rows * k {
+                    candle_core::bail!("decode step: {} inputs for {rows} rows of {k}", x.len());
+                }
+                read(w, |w| {
+                    Ok(crate::decode_matmul::matmul(w, x, (rows, k, out)))
+                })
+            }
+        }
+    }
+}
+
+/// A norm of the block: RMSNorm with or without a learned scale.
+struct Norm<'a> {
+    scale: Option<&'a Tensor>,
+    eps: f32,
+}
+
+impl<'a> Norm<'a> {
+    fn of(norm: &'a RmsNorm) -> Option<Self> {
+        let (scale, eps) = norm.parts();
+        let on_cpu = |w: &Tensor| w.dtype() == DType::F32 && w.device().is_cpu();
+        scale.is_none_or(on_cpu).then_some(Self { scale, eps })
+    }
+
+    /// Each `hidden`-wide row of `x` normalised (and scaled), as `RmsNorm::forward` computes it.
+    fn apply(&self, x: &[f32], hidden: usize) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; x.len()];
+        let rows = x.chunks_exact(hidden).zip(out.chunks_exact_mut(hidden));
+        match self.scale {
+            None => rows.for_each(|(x, y)| crate::fused::rms_norm_row(x, self.eps, y)),
+            Some(scale) => read(scale, |w| {
+                if w.len() != hidden {
+                    candle_core::bail!("decode step: {} scales for {hidden} values", w.len());
+                }
+                rows.for_each(|(x, y)| crate::fused::scaled_rms_norm_row(x, w, self.eps, y));
+                Ok(())
+            })?,
+        }
+        Ok(out)
+    }
+}
+
 /// The parts of a block this path runs.
 struct Block<'a> {
-    input_norm: (&'a Tensor, f32),
-    qkv: &'a QuantMatrix,
-    o: &'a QuantMatrix,
-    post_attention_norm: (&'a Tensor, f32),
-    gate_up: &'a QuantMatrix,
-    down: &'a QuantMatrix,
+    input_norm: Norm<'a>,
+    /// `[gate | q | k | v]` when `gated`, else `[q | k | v]`.
+    input: Product<'a>,
+    gated: bool,
+    o: Product<'a>,
+    post_attention_norm: Norm<'a>,
+    gate_up: Product<'a>,
+    down: Product<'a>,
     heads: Heads,
 }
 
 impl<'a> Block<'a> {
     fn of(layer: &'a DecoderLayer) -> Option<Self> {
-        let repacked = |linear: &'a Linear| match linear {
-            Linear::Repacked(q) => Some(&**q),
-            _ => None,
-        };
-        let scaled = |norm: &'a RmsNorm| {
-            norm.scale_and_eps()
-                .filter(|(w, _)| w.dtype() == DType::F32 && w.device().is_cpu())
-        };
-        let AttnInput::FusedQkv(qkv) = &layer.attn.input else {
-            return None;
+        let attn = &layer.attn;
+        let (input, gated) = match &attn.input {
+            AttnInput::FusedQkv(input) => (input, false),
+            // The gate and q, k, v are one head count wide each (`Attention`'s general path).
+            AttnInput::FusedGqkv(input) if attn.num_kv_heads == attn.num_heads => (input, true),
+            _ => return None,
         };
         let FeedForward::Dense(SwiGlu {
             gate_up: GateUp::Fused(gate_up),
@@ -61,16 +137,17 @@ impl<'a> Block<'a> {
             return None;
         };
         Some(Self {
-            input_norm: scaled(&layer.input_norm)?,
-            qkv: repacked(qkv)?,
-            o: repacked(&layer.attn.o_proj)?,
-            post_attention_norm: scaled(&layer.post_attention_norm)?,
-            gate_up: repacked(gate_up)?,
-            down: repacked(down)?,
+            input_norm: Norm::of(&layer.input_norm)?,
+            input: Product::of(input)?,
+            gated,
+            o: Product::of(&attn.o_proj)?,
+            post_attention_norm: Norm::of(&layer.post_attention_norm)?,
+            gate_up: Product::of(gate_up)?,
+            down: Product::of(down)?,
             heads: Heads {
-                heads: layer.attn.num_heads,
-                kv_heads: layer.attn.num_kv_heads,
-                head_dim: layer.attn.head_dim,
+                heads: attn.num_heads,
+                kv_heads: attn.num_kv_heads,
+                head_dim: attn.head_dim,
             },
         })
     }
@@ -99,14 +176,15 @@ pub(crate) fn forward(
         kv_heads,
         head_dim: d,
     } = block.heads;
-    let width = (heads + 2 * kv_heads) * d;
+    let gate_width = if block.gated { heads * d } else { 0 };
+    let width = gate_width + (heads + 2 * kv_heads) * d;
     let half = d / 2;
 
     let mut residual = read(x, |x| Ok(x.to_vec()))?;
-    let normed = norm_rows(&residual, hidden, block.input_norm)?;
-    let mut qkv = block.qkv.matmul(&normed, rows);
-    if qkv.len() != rows * width || d % 2 != 0 {
-        candle_core::bail!("decode step: the q/k/v product does not match the heads");
+    let normed = block.input_norm.apply(&residual, hidden)?;
+    let mut projected = block.input.apply(&normed, rows)?;
+    if projected.len() != rows * width || d % 2 != 0 {
+        candle_core::bail!("decode step: the input product does not match the heads");
     }
     read(ctx.cos, |cos| {
         read(ctx.sin, |sin| {
@@ -114,12 +192,13 @@ pub(crate) fn forward(
                 candle_core::bail!("decode step: one angle per pair and row expected");
             }
             let mut head = vec![0f32; d];
-            for ((row, cos), sin) in qkv
+            for ((row, cos), sin) in projected
                 .chunks_exact_mut(width)
                 .zip(cos.chunks_exact(half))
                 .zip(sin.chunks_exact(half))
             {
-                for rotated in row[..(heads + kv_heads) * d].chunks_exact_mut(d) {
+                let q_and_k = &mut row[gate_width..gate_width + (heads + kv_heads) * d];
+                for rotated in q_and_k.chunks_exact_mut(d) {
                     head.copy_from_slice(rotated);
                     crate::fused::rotate(ctx.rotary.layout(), &head, cos, sin, rotated);
                 }
@@ -128,17 +207,32 @@ pub(crate) fn forward(
         })
     })?;
     let mut queries = Vec::with_capacity(rows * heads * d);
-    for (i, row) in qkv.chunks_exact(width).enumerate() {
-        let (q, kv) = row.split_at(heads * d);
+    for (i, row) in projected.chunks_exact(width).enumerate() {
+        let (q, kv) = row[gate_width..].split_at(heads * d);
         queries.extend_from_slice(q);
         batch.append_position(slot, i, kv.split_at(kv_heads * d), kv_heads)?;
     }
     let scale = (1.0 / (d as f64).sqrt()) as f32;
-    let attended = batch.attend_cached(slot, &queries, block.heads, scale)?;
-    add_to(&mut residual, &block.o.matmul(&attended, rows));
+    let mut attended = batch.attend_cached(slot, &queries, block.heads, scale)?;
+    if block.gated {
+        // Every path of the sigmoid gives the same bits (`fused/exp.rs`), so a row's gates
+        // go at once where the general path takes them head by head.
+        let mut gate = vec![0f32; gate_width];
+        for (row, out) in projected
+            .chunks_exact(width)
+            .zip(attended.chunks_exact_mut(gate_width))
+        {
+            gate.copy_from_slice(&row[..gate_width]);
+            crate::fused::sigmoid_in_place(&mut gate);
+            for (out, &g) in out.iter_mut().zip(&gate) {
+                *out *= g;
+            }
+        }
+    }
+    add_to(&mut residual, &block.o.apply(&attended, rows)?);
 
-    let normed = norm_rows(&residual, hidden, block.post_attention_norm)?;
-    let gate_up = block.gate_up.matmul(&normed, rows);
+    let normed = block.post_attention_norm.apply(&residual, hidden)?;
+    let gate_up = block.gate_up.apply(&normed, rows)?;
     let inner = gate_up.len() / rows / 2;
     let mut gated = vec![0f32; rows * inner];
     for (both, out) in gate_up
@@ -148,7 +242,7 @@ pub(crate) fn forward(
         let (gate, up) = both.split_at(inner);
         crate::fused::swiglu_row(gate, up, out);
     }
-    add_to(&mut residual, &block.down.matmul(&gated, rows));
+    add_to(&mut residual, &block.down.apply(&gated, rows)?);
     Tensor::from_vec(residual, (rows, 1, hidden), x.device()).map(Some)
 }
 
@@ -160,23 +254,6 @@ fn read<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
         crate::fused::cpu_storage(&storage)?,
         layout,
     )?)
-}
-
-/// Each `hidden`-wide row of `x` normalised and scaled (`ScaledRmsNormOp`'s arithmetic).
-fn norm_rows(x: &[f32], hidden: usize, (scale, eps): (&Tensor, f32)) -> Result<Vec<f32>> {
-    read(scale, |w| {
-        if w.len() != hidden {
-            candle_core::bail!(
-                "decode step: a norm of {} scales for {hidden} values",
-                w.len()
-            );
-        }
-        let mut out = vec![0f32; x.len()];
-        for (x, y) in x.chunks_exact(hidden).zip(out.chunks_exact_mut(hidden)) {
-            crate::fused::scaled_rms_norm_row(x, w, eps, y);
-        }
-        Ok(out)
-    })
 }
 
 /// `residual += update`, the residual add of the general path.
@@ -197,41 +274,69 @@ mod tests {
 
     const HIDDEN: usize = 64;
     const INNER: usize = 96;
-    const HEADS: usize = 4;
-    const KV_HEADS: usize = 2;
-    const HEAD_DIM: usize = 32;
 
     fn quantized(rows: usize, k: usize, format: GgmlDType) -> Linear {
         let w = Tensor::randn(0f32, 0.2, (rows, k), &Device::Cpu).unwrap();
         Linear::quantized(QTensor::quantize(&w, format).unwrap()).unwrap()
     }
 
-    fn norm() -> RmsNorm {
+    fn dense(rows: usize, k: usize) -> Linear {
+        let w = Tensor::randn(0f32, 0.2, (rows, k), &Device::Cpu).unwrap();
+        Linear::Dense(candle_nn::Linear::new(w, None))
+    }
+
+    fn scaled_norm() -> RmsNorm {
         let w = Tensor::rand(0.5f32, 1.5, HIDDEN, &Device::Cpu).unwrap();
         RmsNorm::new(Some(w), HIDDEN, 1e-5, &Device::Cpu).unwrap()
     }
 
-    /// A block as a GGUF's load builds it: both formats our kernels hold, stacked products.
-    fn gguf_block() -> DecoderLayer {
-        DecoderLayer {
-            input_norm: norm(),
+    /// A block as a GGUF's load builds it (grouped KV heads, both formats our kernel holds,
+    /// stacked products, scaled norms), with its RoPE layout.
+    fn gguf_block() -> (DecoderLayer, RopeLayout) {
+        let (heads, kv_heads, d) = (4, 2, 32);
+        let block = DecoderLayer {
+            input_norm: scaled_norm(),
             attn: Attention {
                 input: AttnInput::FusedQkv(quantized(
-                    (HEADS + 2 * KV_HEADS) * HEAD_DIM,
+                    (heads + 2 * kv_heads) * d,
                     HIDDEN,
                     GgmlDType::Q4_1,
                 )),
-                o_proj: quantized(HIDDEN, HEADS * HEAD_DIM, GgmlDType::Q8_0),
-                num_heads: HEADS,
-                num_kv_heads: KV_HEADS,
-                head_dim: HEAD_DIM,
+                o_proj: quantized(HIDDEN, heads * d, GgmlDType::Q8_0),
+                num_heads: heads,
+                num_kv_heads: kv_heads,
+                head_dim: d,
             },
-            post_attention_norm: norm(),
+            post_attention_norm: scaled_norm(),
             mlp: FeedForward::Dense(SwiGlu {
                 gate_up: GateUp::Fused(quantized(2 * INNER, HIDDEN, GgmlDType::Q4_1)),
                 down: quantized(HIDDEN, INNER, GgmlDType::Q4_1),
             }),
-        }
+        };
+        (block, RopeLayout::Interleaved)
+    }
+
+    /// A block as HRM-Text's load builds it: dense f32 weights, the gated `[gate | q | k | v]`
+    /// product, one KV head per query head, norms without a scale.
+    fn hrm_text_block() -> (DecoderLayer, RopeLayout) {
+        let (heads, d) = (3, 24);
+        let norm = || RmsNorm::new(None, HIDDEN, 1e-5, &Device::Cpu).unwrap();
+        let block = DecoderLayer {
+            input_norm: norm(),
+            attn: Attention {
+                input: AttnInput::FusedGqkv(dense(4 * heads * d, HIDDEN)),
+                o_proj: dense(HIDDEN, heads * d),
+                num_heads: heads,
+                num_kv_heads: heads,
+                head_dim: d,
+            },
+            post_attention_norm: norm(),
+            mlp: FeedForward::Dense(SwiGlu {
+                gate_up: GateUp::Fused(dense(2 * INNER, HIDDEN)),
+                down: dense(HIDDEN, INNER),
+            }),
+        };
+        (block, RopeLayout::Halves)
     }
 
     fn bits(t: &Tensor) -> Vec<u32> {
@@ -240,7 +345,8 @@ mod tests {
     }
 
     /// Runs `tokens` (new tokens per row) through `layer` on `caches`, by this module's path
-    /// (`fast`) or the general one; the output, and whether this module's path took the pass.
+    /// where it applies (`fast`) or by the general one; the output, and whether this module's
+    /// path took the pass. The inputs are a fixed pattern of `seed`.
     fn pass(
         layer: &DecoderLayer,
         rotary: &Rotary,
@@ -267,28 +373,24 @@ mod tests {
             rotary,
         };
         let s = batch.seq_len();
-        // The same inputs for both paths: a fixed pattern of the seed.
         let values: Vec<f32> = (0..ids.len() * s * HIDDEN)
             .map(|i| 2.0 * ((i as f64 * 0.37 + seed).sin() as f32))
             .collect();
         let x = Tensor::from_vec(values, (ids.len(), s, HIDDEN), &Device::Cpu).unwrap();
-        let (out, took) = if fast {
-            match forward(layer, &x, &mut batch, &ctx, 0).unwrap() {
-                Some(out) => (out, true),
-                None => (
-                    layer
-                        .forward_by_tensor_ops(&x, &mut batch, &ctx, 0, Outputs::All)
-                        .unwrap()
-                        .0,
-                    false,
-                ),
-            }
+        let raw = if fast {
+            forward(layer, &x, &mut batch, &ctx, 0).unwrap()
         } else {
-            let out = layer
-                .forward_by_tensor_ops(&x, &mut batch, &ctx, 0, Outputs::All)
-                .unwrap()
-                .0;
-            (out, false)
+            None
+        };
+        let took = raw.is_some();
+        let out = match raw {
+            Some(out) => out,
+            None => {
+                layer
+                    .forward_by_tensor_ops(&x, &mut batch, &ctx, 0, Outputs::All)
+                    .unwrap()
+                    .0
+            }
         };
         batch.commit();
         (out, took)
@@ -296,14 +398,13 @@ mod tests {
 
     /// Decode steps on raw buffers give the general path's hidden states bit for bit, step after
     /// step, so the keys and values they appended (which every later step reads) are its bits
-    /// too: on f16 and f32 caches, for rows of different lengths, and for a row joining with an
-    /// empty cache beside rows that have one.
+    /// too: for a GGUF's block and HRM-Text's, on f16 and f32 caches, for rows of different
+    /// lengths, and for a row joining with an empty cache beside rows that have one.
     #[test]
     fn decode_steps_match_the_general_path_bit_for_bit() {
-        let layer = gguf_block();
-        for cache_dtype in [DType::F16, DType::F32] {
-            for layout in [RopeLayout::Interleaved, RopeLayout::Halves] {
-                let rotary = Rotary::new(HEAD_DIM, 10_000.0, layout, &Device::Cpu).unwrap();
+        for (name, (layer, layout)) in [("gguf", gguf_block()), ("hrm_text", hrm_text_block())] {
+            let rotary = Rotary::new(layer.attn.head_dim, 10_000.0, layout, &Device::Cpu).unwrap();
+            for cache_dtype in [DType::F16, DType::F32] {
                 let new_caches =
                     || -> Vec<SeqCache> { (0..3).map(|_| SeqCache::new(1, cache_dtype)).collect() };
                 let (mut fast, mut general) = (new_caches(), new_caches());
@@ -320,11 +421,11 @@ mod tests {
                     let (want, _) =
                         pass(&layer, &rotary, &mut general[..rows], &tokens, false, seed);
                     let (got, took) = pass(&layer, &rotary, &mut fast[..rows], &tokens, true, seed);
-                    assert!(took, "step {step} took the general path");
+                    assert!(took, "{name}: step {step} took the general path");
                     assert_eq!(
                         bits(&got),
                         bits(&want),
-                        "{cache_dtype:?} cache, {layout:?}, step {step}"
+                        "{name}, {cache_dtype:?} cache, step {step}"
                     );
                 }
             }
@@ -334,19 +435,18 @@ mod tests {
     /// Blocks this path does not hold, and passes that are not decode steps, go the general way.
     #[test]
     fn other_blocks_and_passes_take_the_general_path() {
-        let rotary =
-            Rotary::new(HEAD_DIM, 10_000.0, RopeLayout::Interleaved, &Device::Cpu).unwrap();
-        let mut dense = gguf_block();
-        let w = Tensor::randn(0f32, 0.2, (HIDDEN, INNER), &Device::Cpu).unwrap();
-        if let FeedForward::Dense(mlp) = &mut dense.mlp {
-            mlp.down = Linear::Dense(candle_nn::Linear::new(w, None));
+        let (mut candle_quantized, layout) = gguf_block();
+        let rotary = Rotary::new(32, 10_000.0, layout, &Device::Cpu).unwrap();
+        // Q4_0 stays with candle's own quantised matmul.
+        if let FeedForward::Dense(mlp) = &mut candle_quantized.mlp {
+            mlp.down = quantized(HIDDEN, INNER, GgmlDType::Q4_0);
         }
         let mut caches: Vec<SeqCache> = (0..2).map(|_| SeqCache::new(1, DType::F16)).collect();
-        pass(&dense, &rotary, &mut caches, &[4, 4], true, 0.0);
-        let (_, took) = pass(&dense, &rotary, &mut caches, &[1, 1], true, 0.0);
-        assert!(!took, "a dense down projection");
+        pass(&candle_quantized, &rotary, &mut caches, &[4, 4], true, 0.0);
+        let (_, took) = pass(&candle_quantized, &rotary, &mut caches, &[1, 1], true, 0.0);
+        assert!(!took, "a down projection in candle's Q4_0");
 
-        let layer = gguf_block();
+        let (layer, _) = gguf_block();
         let mut caches: Vec<SeqCache> = (0..2).map(|_| SeqCache::new(1, DType::F16)).collect();
         let (_, took) = pass(&layer, &rotary, &mut caches, &[1, 1], true, 0.0);
         assert!(!took, "one-token prompts, nothing cached");

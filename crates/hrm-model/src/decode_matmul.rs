@@ -51,7 +51,7 @@ pub(crate) fn forward(w: &Tensor, x: &Tensor) -> Result<Tensor> {
         let (x_storage, x_layout) = x.storage_and_layout();
         let w = crate::fused::values(crate::fused::cpu_storage(&w_storage)?, w_layout)?;
         let x = crate::fused::values(crate::fused::cpu_storage(&x_storage)?, x_layout)?;
-        matmul_with(Kernel::detect(), w, x, (rows, k, out))
+        matmul(w, x, (rows, k, out))
     };
     let mut dims = x.dims().to_vec();
     *dims.last_mut().expect("rank 3") = out;
@@ -67,6 +67,12 @@ const ROW_TILE: usize = 8;
 pub(crate) const PREFETCH_AHEAD: usize = 4096;
 
 /// `x · wᵀ` (`rows × out`, row-major) for `x: rows × k` and `w: out × k`, both row-major.
+/// `x · wᵀ` (`rows × out`) for `x: rows × k` and `w: out × k`, both row-major, on the kernel
+/// this CPU runs best.
+pub(crate) fn matmul(w: &[f32], x: &[f32], (rows, k, out): (usize, usize, usize)) -> Vec<f32> {
+    matmul_with(Kernel::detect(), w, x, (rows, k, out))
+}
+
 fn matmul_with(
     kernel: Kernel,
     w: &[f32],

@@ -124,9 +124,9 @@ impl RmsNorm {
         })
     }
 
-    /// The learned scale and epsilon, for a norm that has a scale.
-    pub(crate) fn scale_and_eps(&self) -> Option<(&Tensor, f32)> {
-        self.weight.as_ref().map(|w| (w, self.eps as f32))
+    /// The learned scale, if any, and epsilon.
+    pub(crate) fn parts(&self) -> (Option<&Tensor>, f32) {
+        (self.weight.as_ref(), self.eps as f32)
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {

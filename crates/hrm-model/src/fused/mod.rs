@@ -302,6 +302,15 @@ fn rms(row: &[f32], eps: f32) -> f32 {
     (row.iter().map(|&x| x * x).sum::<f32>() / row.len() as f32 + eps).sqrt()
 }
 
+/// One row of [`RmsNormOp`]: `y = x / sqrt(mean(x²) + eps)`.
+pub(crate) fn rms_norm_row(x: &[f32], eps: f32, y: &mut [f32]) {
+    // A division, as the composed form divides.
+    let scale = rms(x, eps);
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y = x / scale;
+    }
+}
+
 impl CustomOp1 for RmsNormOp {
     fn name(&self) -> &'static str {
         "fused-rms-norm"
@@ -312,13 +321,7 @@ impl CustomOp1 for RmsNormOp {
         storage: &CpuStorage,
         layout: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        map_rows(storage, layout, |y, x| {
-            // A division, as the composed form divides.
-            let scale = rms(x, self.eps);
-            for (y, &x) in y.iter_mut().zip(x) {
-                *y = x / scale;
-            }
-        })
+        map_rows(storage, layout, |y, x| rms_norm_row(x, self.eps, y))
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> candle_core::Result<Option<Tensor>> {
@@ -505,6 +508,11 @@ pub(crate) fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
 
 struct SigmoidOp;
 
+/// `x ← 1 / (1 + exp(-x))` over `xs`, [`sigmoid`]'s arithmetic.
+pub(crate) fn sigmoid_in_place(xs: &mut [f32]) {
+    exp::sigmoid_in_place(xs);
+}
+
 impl CustomOp1 for SigmoidOp {
     fn name(&self) -> &'static str {
         "fused-sigmoid"
@@ -517,7 +525,7 @@ impl CustomOp1 for SigmoidOp {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         map_rows(storage, layout, |y, x| {
             y.copy_from_slice(x);
-            exp::sigmoid_in_place(y);
+            sigmoid_in_place(y);
         })
     }
 }
