@@ -61,17 +61,21 @@ impl<'a> Product<'a> {
     /// `x · wᵀ` for `rows` rows of `x`, as `Linear::forward` computes it for one position per
     /// sequence.
     fn apply(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        let (out, k) = match self {
+            Self::Repacked(q) => q.shape(),
+            Self::Dense(w) => w.dims2()?,
+        };
+        if x.len() != rows * k {
+            candle_core::bail!(
+                "decode step: {} inputs for {rows} rows against weights ({out}, {k})",
+                x.len()
+            );
+        }
         match self {
             Self::Repacked(q) => Ok(q.matmul(x, rows)),
-            Self::Dense(w) => {
-                let (out, k) = w.dims2()?;
-                if x.len() != rows * k {
-                    candle_core::bail!("decode step: {} inputs for {rows} rows of {k}", x.len());
-                }
-                read(w, |w| {
-                    Ok(crate::decode_matmul::matmul(w, x, (rows, k, out)))
-                })
-            }
+            Self::Dense(w) => read(w, |w| {
+                Ok(crate::decode_matmul::matmul(w, x, (rows, k, out)))
+            }),
         }
     }
 }
@@ -430,6 +434,38 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A block whose weights do not fit the hidden states fails with an error, not a panic.
+    #[test]
+    fn mismatched_weights_are_an_error() {
+        let (mut layer, layout) = hrm_text_block();
+        let rotary = Rotary::new(layer.attn.head_dim, 10_000.0, layout, &Device::Cpu).unwrap();
+        let mut caches: Vec<SeqCache> = (0..1).map(|_| SeqCache::new(1, DType::F32)).collect();
+        pass(&layer, &rotary, &mut caches, &[3], true, 0.0);
+        layer.mlp = FeedForward::Dense(SwiGlu {
+            gate_up: GateUp::Fused(dense(2 * INNER, HIDDEN / 2)),
+            down: dense(HIDDEN, INNER),
+        });
+        let ids = vec![vec![1u32]];
+        let mut batch = ForwardBatch::new(
+            &ids,
+            &[0],
+            caches.iter_mut().collect(),
+            crate::Logits::All,
+            &Device::Cpu,
+            DType::F32,
+        )
+        .unwrap();
+        let (cos, sin) = rotary.angles(&batch, DType::F32).unwrap();
+        let ctx = AttnContext {
+            cos: &cos,
+            sin: &sin,
+            rotary: &rotary,
+        };
+        let x = Tensor::ones((1, 1, HIDDEN), DType::F32, &Device::Cpu).unwrap();
+        let error = forward(&layer, &x, &mut batch, &ctx, 0).unwrap_err();
+        assert!(error.to_string().contains("against weights"), "{error}");
     }
 
     /// Blocks this path does not hold, and passes that are not decode steps, go the general way.

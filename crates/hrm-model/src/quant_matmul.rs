@@ -186,6 +186,11 @@ impl QuantMatrix {
         Ok(matrix)
     }
 
+    /// `(out, in)`.
+    pub(crate) fn shape(&self) -> (usize, usize) {
+        (self.out, self.k)
+    }
+
     /// Bytes of weights one product reads.
     pub(crate) fn storage_bytes(&self) -> usize {
         self.bytes.len() - SLACK
