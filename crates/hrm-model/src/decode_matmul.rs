@@ -66,13 +66,12 @@ const ROW_TILE: usize = 8;
 /// `models/sample`.
 pub(crate) const PREFETCH_AHEAD: usize = 4096;
 
-/// `x · wᵀ` (`rows × out`, row-major) for `x: rows × k` and `w: out × k`, both row-major.
-/// `x · wᵀ` (`rows × out`) for `x: rows × k` and `w: out × k`, both row-major, on the kernel
-/// this CPU runs best.
+/// [`matmul_with`] on the kernel this CPU runs best.
 pub(crate) fn matmul(w: &[f32], x: &[f32], (rows, k, out): (usize, usize, usize)) -> Vec<f32> {
     matmul_with(Kernel::detect(), w, x, (rows, k, out))
 }
 
+/// `x · wᵀ` (`rows × out`, row-major) for `x: rows × k` and `w: out × k`, both row-major.
 fn matmul_with(
     kernel: Kernel,
     w: &[f32],

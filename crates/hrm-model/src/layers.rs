@@ -580,7 +580,7 @@ impl DecoderLayer {
         self.forward_by_tensor_ops(x, batch, ctx, slot, outputs)
     }
 
-    /// [`Self::forward`] op by op, the path every pass but a GGUF block's decode step takes.
+    /// [`Self::forward`] op by op: every pass and block that `decode_layer.rs` does not take.
     pub(crate) fn forward_by_tensor_ops(
         &self,
         x: &Tensor,
