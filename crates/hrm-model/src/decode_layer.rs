@@ -12,11 +12,11 @@
 //! Invariants:
 //! - Only decode steps come here: one new position per row, rows with caches, at least one row
 //!   with something cached (a step where every row is new takes the prompt's attention op), f32
-//!   on the CPU, no gradient. The block must be a dense SwiGLU block with one stacked input
-//!   product (a GGUF's q/k/v, HRM-Text's gate/q/k/v) and one stacked gate/up product, each
-//!   product either GGUF weights repacked for `quant_matmul.rs` or dense f32 weights for
-//!   `decode_matmul.rs`. Any other pass or block (mixture-of-experts, separate projections,
-//!   other dtypes) takes the general path.
+//!   on the CPU, no gradient. The block must be a dense SwiGLU block (a GGUF's, HRM-Text's, a
+//!   Llama checkpoint's), its input and gate/up products stacked or separate, each product
+//!   either GGUF weights repacked for `quant_matmul.rs` or dense f32 weights for
+//!   `decode_matmul.rs`. Any other pass or block (mixture-of-experts, candle's own quantised
+//!   formats, other dtypes) takes the general path.
 //! - The same kernels run in the same order as on the general path, so the results are the
 //!   same bits: the norms' rows ([`crate::fused::rms_norm_row`],
 //!   [`crate::fused::scaled_rms_norm_row`]), the products, the rotation
@@ -111,15 +111,51 @@ impl<'a> Norm<'a> {
     }
 }
 
+/// Products of the same input whose outputs lie side by side in each row: one stacked matrix,
+/// or a checkpoint's separate ones (Llama safetensors' q, k and v; gate and up).
+struct SideBySide<'a>(Vec<Product<'a>>);
+
+impl<'a> SideBySide<'a> {
+    fn of(parts: &[&'a Linear]) -> Option<Self> {
+        parts
+            .iter()
+            .map(|p| Product::of(p))
+            .collect::<Option<_>>()
+            .map(Self)
+    }
+
+    /// Each row of `x` through every product, the outputs of a row concatenated in order, as
+    /// the general path's `cat` of the separate products' outputs.
+    fn apply(&self, x: &[f32], rows: usize) -> Result<Vec<f32>> {
+        if let [only] = &self.0[..] {
+            return only.apply(x, rows);
+        }
+        let outputs = self
+            .0
+            .iter()
+            .map(|p| p.apply(x, rows))
+            .collect::<Result<Vec<_>>>()?;
+        let widths: Vec<usize> = outputs.iter().map(|o| o.len() / rows).collect();
+        let mut joined = Vec::with_capacity(widths.iter().sum::<usize>() * rows);
+        for i in 0..rows {
+            for (out, &width) in outputs.iter().zip(&widths) {
+                joined.extend_from_slice(&out[i * width..(i + 1) * width]);
+            }
+        }
+        Ok(joined)
+    }
+}
+
 /// The parts of a block this path runs.
 struct Block<'a> {
     input_norm: Norm<'a>,
     /// `[gate | q | k | v]` when `gated`, else `[q | k | v]`.
-    input: Product<'a>,
+    input: SideBySide<'a>,
     gated: bool,
     o: Product<'a>,
     post_attention_norm: Norm<'a>,
-    gate_up: Product<'a>,
+    /// `[gate | up]`.
+    gate_up: SideBySide<'a>,
     down: Product<'a>,
     heads: Heads,
 }
@@ -128,25 +164,28 @@ impl<'a> Block<'a> {
     fn of(layer: &'a DecoderLayer) -> Option<Self> {
         let attn = &layer.attn;
         let (input, gated) = match &attn.input {
-            AttnInput::FusedQkv(input) => (input, false),
+            AttnInput::FusedQkv(input) => (SideBySide::of(&[input])?, false),
             // The gate and q, k, v are one head count wide each (`Attention`'s general path).
-            AttnInput::FusedGqkv(input) if attn.num_kv_heads == attn.num_heads => (input, true),
-            _ => return None,
+            AttnInput::FusedGqkv(input) if attn.num_kv_heads == attn.num_heads => {
+                (SideBySide::of(&[input])?, true)
+            }
+            AttnInput::FusedGqkv(_) => return None,
+            AttnInput::Split { q, k, v } => (SideBySide::of(&[q, k, v])?, false),
         };
-        let FeedForward::Dense(SwiGlu {
-            gate_up: GateUp::Fused(gate_up),
-            down,
-        }) = &layer.mlp
-        else {
+        let FeedForward::Dense(SwiGlu { gate_up, down }) = &layer.mlp else {
             return None;
+        };
+        let gate_up = match gate_up {
+            GateUp::Fused(both) => SideBySide::of(&[both])?,
+            GateUp::Split { gate, up } => SideBySide::of(&[gate, up])?,
         };
         Some(Self {
             input_norm: Norm::of(&layer.input_norm)?,
-            input: Product::of(input)?,
+            input,
             gated,
             o: Product::of(&attn.o_proj)?,
             post_attention_norm: Norm::of(&layer.post_attention_norm)?,
-            gate_up: Product::of(gate_up)?,
+            gate_up,
             down: Product::of(down)?,
             heads: Heads {
                 heads: attn.num_heads,
@@ -343,6 +382,35 @@ mod tests {
         (block, RopeLayout::Halves)
     }
 
+    /// A block as a Llama safetensors checkpoint loads: dense f32 weights, separate q, k, v and
+    /// separate gate and up products, grouped KV heads, scaled norms.
+    fn llama_block() -> (DecoderLayer, RopeLayout) {
+        let (heads, kv_heads, d) = (4, 2, 16);
+        let block = DecoderLayer {
+            input_norm: scaled_norm(),
+            attn: Attention {
+                input: AttnInput::Split {
+                    q: dense(heads * d, HIDDEN),
+                    k: dense(kv_heads * d, HIDDEN),
+                    v: dense(kv_heads * d, HIDDEN),
+                },
+                o_proj: dense(HIDDEN, heads * d),
+                num_heads: heads,
+                num_kv_heads: kv_heads,
+                head_dim: d,
+            },
+            post_attention_norm: scaled_norm(),
+            mlp: FeedForward::Dense(SwiGlu {
+                gate_up: GateUp::Split {
+                    gate: dense(INNER, HIDDEN),
+                    up: dense(INNER, HIDDEN),
+                },
+                down: dense(HIDDEN, INNER),
+            }),
+        };
+        (block, RopeLayout::Halves)
+    }
+
     fn bits(t: &Tensor) -> Vec<u32> {
         let values: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
         values.into_iter().map(f32::to_bits).collect()
@@ -402,11 +470,17 @@ mod tests {
 
     /// Decode steps on raw buffers give the general path's hidden states bit for bit, step after
     /// step, so the keys and values they appended (which every later step reads) are its bits
-    /// too: for a GGUF's block and HRM-Text's, on f16 and f32 caches, for rows of different
-    /// lengths, and for a row joining with an empty cache beside rows that have one.
+    /// too: for a GGUF's block, HRM-Text's and a Llama checkpoint's, on f16 and f32 caches, for
+    /// rows of different lengths, and for a row joining with an empty cache beside rows that
+    /// have one.
     #[test]
     fn decode_steps_match_the_general_path_bit_for_bit() {
-        for (name, (layer, layout)) in [("gguf", gguf_block()), ("hrm_text", hrm_text_block())] {
+        let blocks = [
+            ("gguf", gguf_block()),
+            ("hrm_text", hrm_text_block()),
+            ("llama", llama_block()),
+        ];
+        for (name, (layer, layout)) in blocks {
             let rotary = Rotary::new(layer.attn.head_dim, 10_000.0, layout, &Device::Cpu).unwrap();
             for cache_dtype in [DType::F16, DType::F32] {
                 let new_caches =
