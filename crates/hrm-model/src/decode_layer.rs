@@ -222,11 +222,14 @@ pub(crate) fn forward(
     let gate_width = if block.gated { heads * d } else { 0 };
     let width = gate_width + (heads + 2 * kv_heads) * d;
     let half = d / 2;
+    if hidden == 0 || d == 0 || d % 2 != 0 {
+        candle_core::bail!("decode step: hidden size {hidden}, head size {d}");
+    }
 
     let mut residual = read(x, |x| Ok(x.to_vec()))?;
     let normed = block.input_norm.apply(&residual, hidden)?;
     let mut projected = block.input.apply(&normed, rows)?;
-    if projected.len() != rows * width || d % 2 != 0 {
+    if projected.len() != rows * width {
         candle_core::bail!("decode step: the input product does not match the heads");
     }
     read(ctx.cos, |cos| {
@@ -272,11 +275,14 @@ pub(crate) fn forward(
             }
         }
     }
-    add_to(&mut residual, &block.o.apply(&attended, rows)?);
+    add_to(&mut residual, &block.o.apply(&attended, rows)?)?;
 
     let normed = block.post_attention_norm.apply(&residual, hidden)?;
     let gate_up = block.gate_up.apply(&normed, rows)?;
     let inner = gate_up.len() / rows / 2;
+    if gate_up.len() != rows * 2 * inner {
+        candle_core::bail!("decode step: the gate/up product is not two halves per row");
+    }
     let mut gated = vec![0f32; rows * inner];
     for (both, out) in gate_up
         .chunks_exact(2 * inner)
@@ -285,7 +291,7 @@ pub(crate) fn forward(
         let (gate, up) = both.split_at(inner);
         crate::fused::swiglu_row(gate, up, out);
     }
-    add_to(&mut residual, &block.down.apply(&gated, rows)?);
+    add_to(&mut residual, &block.down.apply(&gated, rows)?)?;
     Tensor::from_vec(residual, (rows, 1, hidden), x.device()).map(Some)
 }
 
@@ -300,10 +306,18 @@ fn read<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
 }
 
 /// `residual += update`, the residual add of the general path.
-fn add_to(residual: &mut [f32], update: &[f32]) {
+fn add_to(residual: &mut [f32], update: &[f32]) -> Result<()> {
+    if residual.len() != update.len() {
+        candle_core::bail!(
+            "decode step: {} outputs to add to {} hidden values",
+            update.len(),
+            residual.len()
+        );
+    }
     for (r, &u) in residual.iter_mut().zip(update) {
         *r += u;
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -540,6 +554,14 @@ mod tests {
         let x = Tensor::ones((1, 1, HIDDEN), DType::F32, &Device::Cpu).unwrap();
         let error = forward(&layer, &x, &mut batch, &ctx, 0).unwrap_err();
         assert!(error.to_string().contains("against weights"), "{error}");
+
+        // A down projection one value short of the hidden size.
+        layer.mlp = FeedForward::Dense(SwiGlu {
+            gate_up: GateUp::Fused(dense(2 * INNER, HIDDEN)),
+            down: dense(HIDDEN - 1, INNER),
+        });
+        let error = forward(&layer, &x, &mut batch, &ctx, 0).unwrap_err();
+        assert!(error.to_string().contains("hidden values"), "{error}");
     }
 
     /// Blocks this path does not hold, and passes that are not decode steps, go the general way.
