@@ -86,6 +86,15 @@ impl SeqCache {
         }
     }
 
+    /// Drops what a pass appended to the slots and never committed: a pass that failed part
+    /// way through its layers leaves some slots a step ahead of the others, and a retried step
+    /// would read those positions as history.
+    fn discard_uncommitted(&mut self) {
+        for buffers in self.slots.iter_mut().flatten() {
+            buffers.len = buffers.len.min(self.len);
+        }
+    }
+
     /// Tokens cached so far.
     pub fn len(&self) -> usize {
         self.len
@@ -248,7 +257,7 @@ impl<'c> ForwardBatch<'c> {
     pub fn new(
         tokens: &[Vec<u32>],
         blocks: &[usize],
-        caches: Vec<&'c mut SeqCache>,
+        mut caches: Vec<&'c mut SeqCache>,
         logits: Logits,
         device: &Device,
         dtype: DType,
@@ -263,6 +272,9 @@ impl<'c> ForwardBatch<'c> {
                 blocks.len(),
                 caches.len()
             )
+        }
+        for cache in &mut caches {
+            cache.discard_uncommitted();
         }
         let seq_len = tokens.iter().map(Vec::len).max().unwrap_or(0);
         let rows: Vec<RowLayout> = tokens
@@ -729,6 +741,45 @@ mod tests {
         assert_eq!(capacity(&cache), (2 * prompt, 2 * prompt));
         cache.append(0, &zeros(1), &zeros(1)).unwrap();
         assert_eq!(capacity(&cache), (4 * prompt, 4 * prompt));
+    }
+
+    /// A pass that fails before its commit leaves the positions it appended behind; the next
+    /// pass over the cache starts from what was committed, so a retried prompt or step reads
+    /// no stale keys, and every slot holds the same tokens.
+    #[test]
+    fn a_failed_pass_leaves_nothing_for_the_next() {
+        let kv = |n: usize, value: f32| Tensor::full(value, (1, 2, n, 3), &Device::Cpu).unwrap();
+        let mut cache = SeqCache::new(2, DType::F32);
+        let mut pass = |tokens: Vec<u32>, slots: &[usize], commit: bool| -> Vec<usize> {
+            let n = tokens.len();
+            let mut batch = ForwardBatch::new(
+                &[tokens],
+                &[0],
+                vec![&mut cache],
+                Logits::Last,
+                &Device::Cpu,
+                DType::F32,
+            )
+            .unwrap();
+            let lengths = slots
+                .iter()
+                .map(|&slot| {
+                    let appended = batch.append(slot, &kv(n, 1.0), &kv(n, 1.0)).unwrap();
+                    appended[0].0.dim(2).unwrap()
+                })
+                .collect();
+            if commit {
+                batch.commit();
+            }
+            lengths
+        };
+        // A prompt's pass that fails after its first slot, then its retry.
+        assert_eq!(pass(vec![1, 2, 3], &[0], false), [3]);
+        assert_eq!(pass(vec![1, 2, 3], &[0, 1], true), [3, 3]);
+        // A decode step that fails after its first slot, then its retry.
+        assert_eq!(pass(vec![4], &[0], false), [4]);
+        assert_eq!(pass(vec![4], &[0, 1], true), [4, 4]);
+        assert_eq!(cache.len(), 4);
     }
 
     #[test]
