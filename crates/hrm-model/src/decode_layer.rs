@@ -430,17 +430,14 @@ mod tests {
         values.into_iter().map(f32::to_bits).collect()
     }
 
-    /// Runs `tokens` (new tokens per row) through `layer` on `caches`, by this module's path
-    /// where it applies (`fast`) or by the general one; the output, and whether this module's
-    /// path took the pass. The inputs are a fixed pattern of `seed`.
-    fn pass(
-        layer: &DecoderLayer,
+    /// `run` on a pass of `tokens` new tokens per row over `caches`, with the pass's angles;
+    /// the pass is not committed.
+    fn in_pass<R>(
         rotary: &Rotary,
         caches: &mut [SeqCache],
         tokens: &[usize],
-        fast: bool,
-        seed: f64,
-    ) -> (Tensor, bool) {
+        run: impl FnOnce(&mut ForwardBatch<'_>, &AttnContext<'_>) -> R,
+    ) -> R {
         let ids: Vec<Vec<u32>> = tokens.iter().map(|&n| vec![1; n]).collect();
         let blocks = vec![0; ids.len()];
         let mut batch = ForwardBatch::new(
@@ -458,28 +455,44 @@ mod tests {
             sin: &sin,
             rotary,
         };
-        let s = batch.seq_len();
-        let values: Vec<f32> = (0..ids.len() * s * HIDDEN)
-            .map(|i| 2.0 * ((i as f64 * 0.37 + seed).sin() as f32))
-            .collect();
-        let x = Tensor::from_vec(values, (ids.len(), s, HIDDEN), &Device::Cpu).unwrap();
-        let raw = if fast {
-            forward(layer, &x, &mut batch, &ctx, 0).unwrap()
-        } else {
-            None
-        };
-        let took = raw.is_some();
-        let out = match raw {
-            Some(out) => out,
-            None => {
-                layer
-                    .forward_by_tensor_ops(&x, &mut batch, &ctx, 0, Outputs::All)
-                    .unwrap()
-                    .0
-            }
-        };
-        batch.commit();
-        (out, took)
+        run(&mut batch, &ctx)
+    }
+
+    /// Runs `tokens` (new tokens per row) through `layer` on `caches`, by this module's path
+    /// where it applies (`fast`) or by the general one; the output, and whether this module's
+    /// path took the pass. The inputs are a fixed pattern of `seed`.
+    fn pass(
+        layer: &DecoderLayer,
+        rotary: &Rotary,
+        caches: &mut [SeqCache],
+        tokens: &[usize],
+        fast: bool,
+        seed: f64,
+    ) -> (Tensor, bool) {
+        in_pass(rotary, caches, tokens, |batch, ctx| {
+            let (rows, s) = (batch.batch_size(), batch.seq_len());
+            let values: Vec<f32> = (0..rows * s * HIDDEN)
+                .map(|i| 2.0 * ((i as f64 * 0.37 + seed).sin() as f32))
+                .collect();
+            let x = Tensor::from_vec(values, (rows, s, HIDDEN), &Device::Cpu).unwrap();
+            let raw = if fast {
+                forward(layer, &x, batch, ctx, 0).unwrap()
+            } else {
+                None
+            };
+            let took = raw.is_some();
+            let out = match raw {
+                Some(out) => out,
+                None => {
+                    layer
+                        .forward_by_tensor_ops(&x, batch, ctx, 0, Outputs::All)
+                        .unwrap()
+                        .0
+                }
+            };
+            batch.commit();
+            (out, took)
+        })
     }
 
     /// Decode steps on raw buffers give the general path's hidden states bit for bit, step after
@@ -535,24 +548,10 @@ mod tests {
             gate_up: GateUp::Fused(dense(2 * INNER, HIDDEN / 2)),
             down: dense(HIDDEN, INNER),
         });
-        let ids = vec![vec![1u32]];
-        let mut batch = ForwardBatch::new(
-            &ids,
-            &[0],
-            caches.iter_mut().collect(),
-            crate::Logits::All,
-            &Device::Cpu,
-            DType::F32,
-        )
-        .unwrap();
-        let (cos, sin) = rotary.angles(&batch, DType::F32).unwrap();
-        let ctx = AttnContext {
-            cos: &cos,
-            sin: &sin,
-            rotary: &rotary,
-        };
         let x = Tensor::ones((1, 1, HIDDEN), DType::F32, &Device::Cpu).unwrap();
-        let error = forward(&layer, &x, &mut batch, &ctx, 0).unwrap_err();
+        let error = in_pass(&rotary, &mut caches, &[1], |batch, ctx| {
+            forward(&layer, &x, batch, ctx, 0).unwrap_err()
+        });
         assert!(error.to_string().contains("against weights"), "{error}");
 
         // A down projection one value short of the hidden size.
@@ -560,7 +559,9 @@ mod tests {
             gate_up: GateUp::Fused(dense(2 * INNER, HIDDEN)),
             down: dense(HIDDEN - 1, INNER),
         });
-        let error = forward(&layer, &x, &mut batch, &ctx, 0).unwrap_err();
+        let error = in_pass(&rotary, &mut caches, &[1], |batch, ctx| {
+            forward(&layer, &x, batch, ctx, 0).unwrap_err()
+        });
         assert!(error.to_string().contains("hidden values"), "{error}");
     }
 
