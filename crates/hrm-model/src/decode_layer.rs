@@ -45,14 +45,10 @@ impl<'a> Product<'a> {
     fn of(linear: &'a Linear) -> Option<Self> {
         match linear {
             Linear::Repacked(q) => Some(Self::Repacked(q)),
+            // The weights `Linear::forward` hands to `decode_matmul.rs` at a decode step, and
+            // no others: any other dense weight goes through the GEMM there.
             Linear::Dense(l) => {
-                let w = l.weight();
-                let dense = w.device().is_cpu()
-                    && w.dtype() == DType::F32
-                    && w.rank() == 2
-                    && w.is_contiguous()
-                    && !w.track_op();
-                dense.then_some(Self::Dense(w))
+                crate::decode_matmul::holds(l.weight()).then_some(Self::Dense(l.weight()))
             }
             Linear::Quantized(_) => None,
         }

@@ -23,16 +23,22 @@ use candle_core::{D, DType, Result, Tensor};
 /// sequence in f32 on the CPU, with no gradient to track (this product has no
 /// backward pass).
 pub(crate) fn applies(w: &Tensor, x: &Tensor) -> bool {
-    !w.track_op()
+    holds(w)
         && !x.track_op()
-        && w.device().is_cpu()
-        && w.dtype() == DType::F32
-        && w.rank() == 2
-        && w.is_contiguous()
         && x.device().is_cpu()
         && x.dtype() == DType::F32
         && x.rank() == 3
         && x.dim(1).is_ok_and(|positions| positions == 1)
+}
+
+/// Whether this kernel can read `w` in place: contiguous `(out, in)` f32 on the CPU, with no
+/// gradient to track.
+pub(crate) fn holds(w: &Tensor) -> bool {
+    !w.track_op()
+        && w.device().is_cpu()
+        && w.dtype() == DType::F32
+        && w.rank() == 2
+        && w.is_contiguous()
 }
 
 /// `x · wᵀ` for `w` of shape (out, in) and `x` of shape (..., in), like `candle_nn::Linear`.
