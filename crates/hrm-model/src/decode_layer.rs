@@ -343,29 +343,50 @@ mod tests {
         RmsNorm::new(Some(w), HIDDEN, 1e-5, &Device::Cpu).unwrap()
     }
 
+    /// A dense SwiGLU block from its parts, as the loaders put them together, with
+    /// `(heads, kv_heads, head_dim)` as its second argument.
+    fn swiglu_block(
+        norm: fn() -> RmsNorm,
+        (num_heads, num_kv_heads, head_dim): (usize, usize, usize),
+        input: AttnInput,
+        o_proj: Linear,
+        gate_up: GateUp,
+        down: Linear,
+    ) -> DecoderLayer {
+        DecoderLayer {
+            input_norm: norm(),
+            attn: Attention {
+                input,
+                o_proj,
+                num_heads,
+                num_kv_heads,
+                head_dim,
+            },
+            post_attention_norm: norm(),
+            mlp: FeedForward::Dense(SwiGlu { gate_up, down }),
+        }
+    }
+
+    fn unscaled_norm() -> RmsNorm {
+        RmsNorm::new(None, HIDDEN, 1e-5, &Device::Cpu).unwrap()
+    }
+
     /// A block as a GGUF's load builds it (grouped KV heads, both formats our kernel holds,
     /// stacked products, scaled norms), with its RoPE layout.
     fn gguf_block() -> (DecoderLayer, RopeLayout) {
         let (heads, kv_heads, d) = (4, 2, 32);
-        let block = DecoderLayer {
-            input_norm: scaled_norm(),
-            attn: Attention {
-                input: AttnInput::FusedQkv(quantized(
-                    (heads + 2 * kv_heads) * d,
-                    HIDDEN,
-                    GgmlDType::Q4_1,
-                )),
-                o_proj: quantized(HIDDEN, heads * d, GgmlDType::Q8_0),
-                num_heads: heads,
-                num_kv_heads: kv_heads,
-                head_dim: d,
-            },
-            post_attention_norm: scaled_norm(),
-            mlp: FeedForward::Dense(SwiGlu {
-                gate_up: GateUp::Fused(quantized(2 * INNER, HIDDEN, GgmlDType::Q4_1)),
-                down: quantized(HIDDEN, INNER, GgmlDType::Q4_1),
-            }),
-        };
+        let block = swiglu_block(
+            scaled_norm,
+            (heads, kv_heads, d),
+            AttnInput::FusedQkv(quantized(
+                (heads + 2 * kv_heads) * d,
+                HIDDEN,
+                GgmlDType::Q4_1,
+            )),
+            quantized(HIDDEN, heads * d, GgmlDType::Q8_0),
+            GateUp::Fused(quantized(2 * INNER, HIDDEN, GgmlDType::Q4_1)),
+            quantized(HIDDEN, INNER, GgmlDType::Q4_1),
+        );
         (block, RopeLayout::Interleaved)
     }
 
@@ -373,22 +394,14 @@ mod tests {
     /// product, one KV head per query head, norms without a scale.
     fn hrm_text_block() -> (DecoderLayer, RopeLayout) {
         let (heads, d) = (3, 24);
-        let norm = || RmsNorm::new(None, HIDDEN, 1e-5, &Device::Cpu).unwrap();
-        let block = DecoderLayer {
-            input_norm: norm(),
-            attn: Attention {
-                input: AttnInput::FusedGqkv(dense(4 * heads * d, HIDDEN)),
-                o_proj: dense(HIDDEN, heads * d),
-                num_heads: heads,
-                num_kv_heads: heads,
-                head_dim: d,
-            },
-            post_attention_norm: norm(),
-            mlp: FeedForward::Dense(SwiGlu {
-                gate_up: GateUp::Fused(dense(2 * INNER, HIDDEN)),
-                down: dense(HIDDEN, INNER),
-            }),
-        };
+        let block = swiglu_block(
+            unscaled_norm,
+            (heads, heads, d),
+            AttnInput::FusedGqkv(dense(4 * heads * d, HIDDEN)),
+            dense(HIDDEN, heads * d),
+            GateUp::Fused(dense(2 * INNER, HIDDEN)),
+            dense(HIDDEN, INNER),
+        );
         (block, RopeLayout::Halves)
     }
 
@@ -396,28 +409,21 @@ mod tests {
     /// separate gate and up products, grouped KV heads, scaled norms.
     fn llama_block() -> (DecoderLayer, RopeLayout) {
         let (heads, kv_heads, d) = (4, 2, 16);
-        let block = DecoderLayer {
-            input_norm: scaled_norm(),
-            attn: Attention {
-                input: AttnInput::Split {
-                    q: dense(heads * d, HIDDEN),
-                    k: dense(kv_heads * d, HIDDEN),
-                    v: dense(kv_heads * d, HIDDEN),
-                },
-                o_proj: dense(HIDDEN, heads * d),
-                num_heads: heads,
-                num_kv_heads: kv_heads,
-                head_dim: d,
+        let block = swiglu_block(
+            scaled_norm,
+            (heads, kv_heads, d),
+            AttnInput::Split {
+                q: dense(heads * d, HIDDEN),
+                k: dense(kv_heads * d, HIDDEN),
+                v: dense(kv_heads * d, HIDDEN),
             },
-            post_attention_norm: scaled_norm(),
-            mlp: FeedForward::Dense(SwiGlu {
-                gate_up: GateUp::Split {
-                    gate: dense(INNER, HIDDEN),
-                    up: dense(INNER, HIDDEN),
-                },
-                down: dense(HIDDEN, INNER),
-            }),
-        };
+            dense(HIDDEN, heads * d),
+            GateUp::Split {
+                gate: dense(INNER, HIDDEN),
+                up: dense(INNER, HIDDEN),
+            },
+            dense(HIDDEN, INNER),
+        );
         (block, RopeLayout::Halves)
     }
 
