@@ -104,23 +104,40 @@ impl SeqCache {
         self.len == 0
     }
 
+    /// `slot`'s buffers with room for `new` more positions, made empty (`[batch, heads,
+    /// capacity, head_dim]` in the cache's dtype on `device`) on the slot's first append.
+    fn room_for(
+        &mut self,
+        slot: usize,
+        new: usize,
+        (batch, heads, head_dim): (usize, usize, usize),
+        device: &Device,
+    ) -> Result<&mut SlotBuffers> {
+        let (dtype, slots) = (self.dtype, self.slots.len());
+        let Some(entry) = self.slots.get_mut(slot) else {
+            candle_core::bail!("KV-cache slot {slot} out of range ({slots})")
+        };
+        let buffers = match entry {
+            Some(buffers) => buffers,
+            None => {
+                let shape = (batch, heads, first_capacity(new), head_dim);
+                entry.insert(SlotBuffers {
+                    keys: Tensor::zeros(shape, dtype, device)?,
+                    values: Tensor::zeros(shape, dtype, device)?,
+                    len: 0,
+                })
+            }
+        };
+        buffers.reserve(buffers.len + new)?;
+        Ok(buffers)
+    }
+
     /// Appends `[1, kv_heads, new, head_dim]` keys and values to `slot`, rounded to the cache's
     /// dtype, and returns the slot's whole cache (views of its buffers, in the cache's dtype).
     fn append(&mut self, slot: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let Some(entry) = self.slots.get_mut(slot) else {
-            candle_core::bail!("KV-cache slot {slot} out of range ({})", self.slots.len())
-        };
         let (k, v) = (&k.to_dtype(self.dtype)?, &v.to_dtype(self.dtype)?);
-        let new = k.dim(2)?;
-        let buffers = match entry {
-            Some(buffers) => buffers,
-            None => entry.insert(SlotBuffers {
-                keys: grown(k, 0, first_capacity(new))?,
-                values: grown(v, 0, first_capacity(new))?,
-                len: 0,
-            }),
-        };
-        buffers.reserve(buffers.len + new)?;
+        let (b, heads, new, head_dim) = k.dims4()?;
+        let buffers = self.room_for(slot, new, (b, heads, head_dim), k.device())?;
         buffers.keys.slice_set(&k.contiguous()?, 2, buffers.len)?;
         buffers.values.slice_set(&v.contiguous()?, 2, buffers.len)?;
         buffers.len += new;
@@ -139,9 +156,6 @@ impl SeqCache {
         (k, v): (&[f32], &[f32]),
         kv_heads: usize,
     ) -> Result<()> {
-        let Some(entry) = self.slots.get_mut(slot) else {
-            candle_core::bail!("KV-cache slot {slot} out of range ({})", self.slots.len())
-        };
         if kv_heads == 0 || k.len() != v.len() || !k.len().is_multiple_of(kv_heads) {
             candle_core::bail!(
                 "KV cache: {} keys and {} values over {kv_heads} heads",
@@ -150,21 +164,7 @@ impl SeqCache {
             )
         }
         let head_dim = k.len() / kv_heads;
-        let buffers = match entry {
-            Some(buffers) => buffers,
-            None => {
-                let empty = || {
-                    let shape = (1, kv_heads, first_capacity(1), head_dim);
-                    Tensor::zeros(shape, self.dtype, &Device::Cpu)
-                };
-                entry.insert(SlotBuffers {
-                    keys: empty()?,
-                    values: empty()?,
-                    len: 0,
-                })
-            }
-        };
-        buffers.reserve(buffers.len + 1)?;
+        let buffers = self.room_for(slot, 1, (1, kv_heads, head_dim), &Device::Cpu)?;
         let position = buffers.len;
         buffers
             .keys
