@@ -5,6 +5,10 @@
 //!
 //! The layers' matrices (at most 1.1 MB each) stay in cache between calls, so their rates
 //! measure the kernels' arithmetic; the output head (30 MB) streams from memory.
+//!
+//! A first line times a call to candle's thread team that does nothing
+//! (`{"shape": "empty team call", "seconds": ...}`): the hand-off and the wait every product
+//! above one thread pays, to set beside the products' times.
 
 mod common;
 
@@ -23,6 +27,13 @@ const SHAPES: [(&str, usize, usize, GgmlDType); 5] = [
 
 fn main() {
     let reps = common::reps(200);
+    let team = candle_core::utils::barrier_pool();
+    let seconds = common::median_seconds(reps, || team.execute(|_| {}));
+    println!(
+        "{}",
+        serde_json::json!({"shape": "empty team call", "threads": team.n_workers() + 1,
+                           "seconds": seconds})
+    );
     for (name, out, k, format) in SHAPES {
         let w = Tensor::randn(0f32, 1.0, (out, k), &Device::Cpu).unwrap();
         let q = QTensor::quantize(&w, format).unwrap();
