@@ -12,6 +12,7 @@ use std::sync::{Arc, OnceLock};
 use candle_core::{D, DType, Device, Result, Tensor};
 
 use crate::Logits;
+use crate::layers::RopeLayout;
 
 /// The keys and values of one sequence, per attention slot.
 ///
@@ -173,6 +174,152 @@ impl SeqCache {
             .values
             .inplace_op1(&WritePosition { rows: v, position })?;
         buffers.len += 1;
+        Ok(())
+    }
+
+    /// Appends a pass's new positions of one sequence straight from its attention input
+    /// projection: the keys rotated and the values as they are, both rounded to the cache's
+    /// dtype, written into the buffers in place on the thread team, one KV head per unit. The
+    /// same values [`Self::append`] writes from the rotated keys and the values as tensors,
+    /// without copying either into a tensor first.
+    fn append_projected(&mut self, slot: usize, rows: &ProjectedRows<'_>) -> Result<()> {
+        let new = rows.positions()?;
+        let shape = (1, rows.columns.kv_heads, rows.columns.head_dim);
+        let buffers = self.room_for(slot, new, shape, &Device::Cpu)?;
+        let position = buffers.len;
+        for part in [Part::Keys, Part::Values] {
+            let write = WriteProjected {
+                rows,
+                part,
+                position,
+            };
+            match part {
+                Part::Keys => buffers.keys.inplace_op1(&write)?,
+                Part::Values => buffers.values.inplace_op1(&write)?,
+            }
+        }
+        buffers.len += new;
+        Ok(())
+    }
+}
+
+/// Where an attention input projection keeps a position's keys and values: each position a
+/// row of `width` values, its key heads from column `keys_at` and its value heads from
+/// `values_at`, `head_dim` values a head; the keys rotated in `layout` before they are cached.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ProjectionColumns {
+    pub width: usize,
+    pub keys_at: usize,
+    pub values_at: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub layout: RopeLayout,
+}
+
+/// One sequence's new positions of a projection laid out as `columns` says, with each
+/// position's rotary angles (`head_dim / 2` cosines and sines).
+struct ProjectedRows<'a> {
+    proj: &'a [f32],
+    cos: &'a [f32],
+    sin: &'a [f32],
+    columns: ProjectionColumns,
+}
+
+impl ProjectedRows<'_> {
+    /// How many positions the rows hold, once their parts are checked against each other.
+    fn positions(&self) -> Result<usize> {
+        let c = &self.columns;
+        let (width, d, half) = (c.width, c.head_dim, c.head_dim / 2);
+        let heads_end = |at: usize| at + c.kv_heads * d;
+        let fits = width > 0
+            && d % 2 == 0
+            && self.proj.len().is_multiple_of(width)
+            && heads_end(c.keys_at) <= width
+            && heads_end(c.values_at) <= width;
+        let new = if fits { self.proj.len() / width } else { 0 };
+        if !fits || self.cos.len() != new * half || self.sin.len() != new * half {
+            candle_core::bail!("KV cache: a projection whose heads or angles do not fit its rows")
+        }
+        Ok(new)
+    }
+}
+
+/// Which of a slot's two buffers a write fills.
+#[derive(Clone, Copy)]
+enum Part {
+    Keys,
+    Values,
+}
+
+/// Writes [`ProjectedRows`]' keys (rotated) or values at `position` of a contiguous `[1,
+/// kv_heads, capacity, head_dim]` cache buffer, converted to the buffer's dtype.
+struct WriteProjected<'a> {
+    rows: &'a ProjectedRows<'a>,
+    part: Part,
+    position: usize,
+}
+
+impl WriteProjected<'_> {
+    /// Head `h`'s new positions into its `capacity × head_dim` values of the buffer, each
+    /// position's f32 values through `store`.
+    fn head<T>(&self, h: usize, buffer: &mut [T], store: impl Fn(&mut [T], &[f32])) {
+        let (rows, columns) = (self.rows, &self.rows.columns);
+        let (d, half) = (columns.head_dim, columns.head_dim / 2);
+        let mut rotated = vec![0f32; d];
+        for (t, row) in rows.proj.chunks_exact(columns.width).enumerate() {
+            let out = &mut buffer[(self.position + t) * d..][..d];
+            match self.part {
+                Part::Keys => {
+                    let (cos, sin) = (&rows.cos[t * half..][..half], &rows.sin[t * half..][..half]);
+                    let key = &row[columns.keys_at + h * d..][..d];
+                    crate::fused::rotate(columns.layout, key, cos, sin, &mut rotated);
+                    store(out, &rotated);
+                }
+                Part::Values => store(out, &row[columns.values_at + h * d..][..d]),
+            }
+        }
+    }
+}
+
+impl candle_core::InplaceOp1 for WriteProjected<'_> {
+    fn name(&self) -> &'static str {
+        "kv-cache-write-projected"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> Result<()> {
+        let (_, heads, capacity, head_dim) = layout.shape().dims4()?;
+        let Some((start, end)) = layout.contiguous_offsets() else {
+            candle_core::bail!("KV cache: a buffer is not contiguous")
+        };
+        let new = self.rows.positions()?;
+        if heads != self.rows.columns.kv_heads
+            || head_dim != self.rows.columns.head_dim
+            || self.position + new > capacity
+        {
+            candle_core::bail!("KV cache: positions that do not fit their buffer")
+        }
+        let per_head = capacity * head_dim;
+        match storage {
+            candle_core::CpuStorage::F32(buffer) if buffer.len() >= end => {
+                crate::team::chunks_in_parallel(&mut buffer[start..end], per_head, |h, head| {
+                    self.head(h, head, |out, x| out.copy_from_slice(x));
+                });
+            }
+            candle_core::CpuStorage::F16(buffer) if buffer.len() >= end => {
+                crate::team::chunks_in_parallel(&mut buffer[start..end], per_head, |h, head| {
+                    self.head(h, head, |out, x| {
+                        for (out, &x) in out.iter_mut().zip(x) {
+                            *out = half::f16::from_f32(x);
+                        }
+                    });
+                });
+            }
+            _ => candle_core::bail!("KV cache: buffers hold f32 or f16"),
+        }
         Ok(())
     }
 }
@@ -385,6 +532,44 @@ impl<'c> ForwardBatch<'c> {
                 cache.append(slot, &k_row, &v_row)
             })
             .collect()
+    }
+
+    /// [`Self::append`] for a pass on the CPU in f32 whose keys and values are columns of the
+    /// attention input projection `proj` (`[batch, seq_len, width]`, row-major, `cos` and `sin`
+    /// `[batch, seq_len, head_dim / 2]`): each row's new positions go from the projection to its
+    /// cache in place ([`SeqCache::append_projected`]). `false`, with nothing written, where a
+    /// cache holds neither f32 nor f16: [`Self::append`] serves those.
+    pub(crate) fn append_projected(
+        &mut self,
+        slot: usize,
+        (proj, cos, sin): (&[f32], &[f32], &[f32]),
+        columns: ProjectionColumns,
+    ) -> Result<bool> {
+        if !self
+            .caches
+            .iter()
+            .all(|c| matches!(c.dtype, DType::F32 | DType::F16))
+        {
+            return Ok(false);
+        }
+        let (s, width, half) = (self.seq_len, columns.width, columns.head_dim / 2);
+        if proj.len() != self.rows.len() * s * width
+            || cos.len() != self.rows.len() * s * half
+            || sin.len() != cos.len()
+        {
+            candle_core::bail!("KV cache: a projection or angles that do not match the batch")
+        }
+        for (i, (row, cache)) in self.rows.iter().zip(self.caches.iter_mut()).enumerate() {
+            let (first, end) = (i * s + row.padding, (i + 1) * s);
+            let rows = ProjectedRows {
+                proj: &proj[first * width..end * width],
+                cos: &cos[first * half..end * half],
+                sin: &sin[first * half..end * half],
+                columns,
+            };
+            cache.append_projected(slot, &rows)?;
+        }
+        Ok(true)
     }
 
     /// The mask's values in f32, row-major, copied from the mask once per pass (every layer of a
@@ -719,6 +904,115 @@ mod tests {
             };
             assert_eq!(held(&k), rounded, "keys after {} tokens", t + 1);
             assert_eq!(held(&v), rounded, "values after {} tokens", t + 1);
+        }
+    }
+
+    /// A pass over `tokens`, one row per cache.
+    fn two_rows<'c>(tokens: &[Vec<u32>], caches: &'c mut [SeqCache; 2]) -> ForwardBatch<'c> {
+        let [a, b] = caches;
+        let device = Device::Cpu;
+        ForwardBatch::new(
+            tokens,
+            &[0, 0],
+            vec![a, b],
+            Logits::Last,
+            &device,
+            DType::F32,
+        )
+        .unwrap()
+    }
+
+    /// Keys and values written from the projection on the team hold the bits the tensor append
+    /// writes from the rotated keys and the values: both caches' dtypes, both rotary layouts, a
+    /// left-padded row, and a second pass that writes after what the first left.
+    #[test]
+    fn a_projected_append_writes_what_the_tensor_append_writes() {
+        let (kv_heads, d) = (2, 4);
+        // Per position: two query heads, then the key heads, then the value heads.
+        let (keys_at, values_at) = (2 * d, 2 * d + kv_heads * d);
+        let width = values_at + kv_heads * d;
+        let mut seed = 7u32;
+        let mut random = |shape: (usize, usize, usize)| {
+            let values = (0..shape.0 * shape.1 * shape.2)
+                .map(|_| {
+                    seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    (seed >> 8) as f32 / (1 << 24) as f32 * 4.0 - 2.0
+                })
+                .collect();
+            Tensor::from_vec(values, shape, &Device::Cpu).unwrap()
+        };
+        for dtype in [DType::F32, DType::F16] {
+            for layout in [RopeLayout::Halves, RopeLayout::Interleaved] {
+                let columns = ProjectionColumns {
+                    width,
+                    keys_at,
+                    values_at,
+                    kv_heads,
+                    head_dim: d,
+                    layout,
+                };
+                let mut by_tensors = [SeqCache::new(2, dtype), SeqCache::new(2, dtype)];
+                let mut projected = [SeqCache::new(2, dtype), SeqCache::new(2, dtype)];
+                // A prompt of 5 tokens beside one of 3 (left-padded), then one token each.
+                for tokens in [
+                    vec![vec![1, 2, 3, 4, 5], vec![6, 7, 8]],
+                    vec![vec![9], vec![10]],
+                ] {
+                    let s = tokens[0].len();
+                    let proj = random((2, s, width));
+                    let angles = random((2, s, d / 2));
+                    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+                    let mut tensor_batch = two_rows(&tokens, &mut by_tensors);
+                    let by_head = proj.reshape((2, s, width / d, d)).unwrap();
+                    let heads = |first: usize| {
+                        let view = by_head.narrow(2, first, kv_heads).unwrap();
+                        view.transpose(1, 2).unwrap()
+                    };
+                    let keys = heads(keys_at / d)
+                        .contiguous()
+                        .unwrap()
+                        .apply_op3(&cos, &sin, crate::fused::RopeOp { layout })
+                        .unwrap();
+                    for slot in 0..2 {
+                        tensor_batch
+                            .append(slot, &keys, &heads(values_at / d))
+                            .unwrap();
+                    }
+                    tensor_batch.commit();
+                    let mut projected_batch = two_rows(&tokens, &mut projected);
+                    let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                    for slot in 0..2 {
+                        let angles = (&values(&proj)[..], &values(&cos)[..], &values(&sin)[..]);
+                        assert!(
+                            projected_batch
+                                .append_projected(slot, angles, columns)
+                                .unwrap()
+                        );
+                    }
+                    projected_batch.commit();
+                }
+                let held = |cache: &SeqCache, slot: usize| -> Vec<u32> {
+                    let buffers = cache.slots[slot].as_ref().unwrap();
+                    [&buffers.keys, &buffers.values]
+                        .into_iter()
+                        .flat_map(|t| {
+                            let t = t.narrow(2, 0, buffers.len).unwrap();
+                            let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+                            t.to_vec1::<f32>().unwrap()
+                        })
+                        .map(f32::to_bits)
+                        .collect()
+                };
+                for (row, (a, b)) in by_tensors.iter().zip(&projected).enumerate() {
+                    for slot in 0..2 {
+                        assert_eq!(
+                            held(a, slot),
+                            held(b, slot),
+                            "{dtype:?}, {layout:?}, row {row}, slot {slot}"
+                        );
+                    }
+                }
+            }
         }
     }
 

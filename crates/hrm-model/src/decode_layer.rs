@@ -29,6 +29,7 @@ use candle_core::{DType, Result, Tensor};
 
 use crate::cache::ForwardBatch;
 use crate::decode_attention::Heads;
+use crate::fused::read;
 use crate::layers::{
     AttnContext, AttnInput, DecoderLayer, FeedForward, GateUp, Linear, RmsNorm, SwiGlu,
 };
@@ -289,16 +290,6 @@ pub(crate) fn forward(
     }
     add_to(&mut residual, &block.down.apply(&gated, rows)?)?;
     Tensor::from_vec(residual, (rows, 1, hidden), x.device()).map(Some)
-}
-
-/// `f` on the contiguous f32 values of a CPU tensor.
-fn read<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> Result<R>) -> Result<R> {
-    let t = t.contiguous()?;
-    let (storage, layout) = t.storage_and_layout();
-    f(crate::fused::values(
-        crate::fused::cpu_storage(&storage)?,
-        layout,
-    )?)
 }
 
 /// `residual += update`, the residual add of the general path.

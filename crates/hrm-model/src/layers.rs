@@ -440,13 +440,30 @@ impl Attention {
         let proj = proj.contiguous()?;
         let (h, kvh, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
         if !batch.is_full_pass() {
-            // Views of the projection as `[b, s, heads, d]`: the cache copies each row once.
             let (b, s, width) = proj.dims3()?;
-            let by_head = proj.reshape((b, s, width / d, d))?;
             let k_head = if gated { 2 * h } else { h };
-            let heads = |first: usize| by_head.narrow(2, first, kvh)?.transpose(1, 2);
-            let k = ctx.rotary.apply(&heads(k_head)?, ctx.cos, ctx.sin)?;
-            batch.append(slot, &k, &heads(k_head + kvh)?)?;
+            let columns = crate::cache::ProjectionColumns {
+                width,
+                keys_at: k_head * d,
+                values_at: (k_head + kvh) * d,
+                kv_heads: kvh,
+                head_dim: d,
+                layout: ctx.rotary.layout,
+            };
+            let written = crate::fused::read(&proj, |values| {
+                crate::fused::read(ctx.cos, |cos| {
+                    crate::fused::read(ctx.sin, |sin| {
+                        batch.append_projected(slot, (values, cos, sin), columns)
+                    })
+                })
+            })?;
+            if !written {
+                // Views of the projection as `[b, s, heads, d]`: the cache copies each row once.
+                let by_head = proj.reshape((b, s, width / d, d))?;
+                let heads = |first: usize| by_head.narrow(2, first, kvh)?.transpose(1, 2);
+                let k = ctx.rotary.apply(&heads(k_head)?, ctx.cos, ctx.sin)?;
+                batch.append(slot, &k, &heads(k_head + kvh)?)?;
+            }
         }
         let op = crate::fused::AttentionOp::new(
             (h, kvh, d),
@@ -454,6 +471,12 @@ impl Attention {
             ctx.rotary.layout,
             batch.mask_values()?,
         )?;
+        // Without a graph candle never runs the op's backward pass.
+        let op = if proj.track_op() {
+            op
+        } else {
+            op.forward_only()
+        };
         proj.apply_op3(ctx.cos, ctx.sin, op).map(Some)
     }
 

@@ -23,11 +23,16 @@
 //!   the gradients of a shared key and value head are summed inside one unit, in a fixed order.
 //! - The forward pass keeps what the backward pass needs (rotated q and k, the probabilities,
 //!   the output before the gate) inside the op, which candle holds in the graph; the backward
-//!   pass takes it, so each op runs backward once (as every graph in training does). Without
-//!   gradients there is no graph, and the state goes with the op after the forward pass.
+//!   pass takes it, so each op runs backward once (as every graph in training does). An op made
+//!   [`AttentionOp::forward_only`] (inference: no graph, so no backward pass) keeps nothing: each
+//!   thread works its units in one set of buffers of its own, reused from call to call and
+//!   overwritten in full by each unit, so it neither zeroes nor allocates them again, nor
+//!   copies the output before the gate. The arithmetic is the same, so the output is the same
+//!   bits (test).
 //! - Values and gradients agree with the composed form within f32 rounding (tests, both rotary
 //!   layouts, grouped heads, masks with a bidirectional prefix and padding).
 
+use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
@@ -50,7 +55,18 @@ pub struct AttentionOp {
     layout: RopeLayout,
     /// The additive mask `[batch, seq, seq]`, or `None` when every query sees every key.
     mask: Option<Arc<[f32]>>,
+    /// Whether the forward pass keeps its units for [`CustomOp3::bwd`].
+    keeps_state: bool,
     saved: Mutex<Vec<Unit>>,
+}
+
+/// Forward-only units' buffers larger than this (a long prompt's probabilities) are not kept
+/// for the thread's next unit: one prompt would otherwise hold them for the process's life.
+const KEPT_SCRATCH_BYTES: usize = 4 << 20;
+
+thread_local! {
+    /// The buffers of the forward-only units this thread works (see the module doc).
+    static SCRATCH: RefCell<Unit> = RefCell::new(Unit::default());
 }
 
 /// What the forward pass of one (sequence, KV head) unit leaves for the backward pass.
@@ -63,6 +79,36 @@ struct Unit {
     q: Vec<f32>,
     p: Vec<f32>,
     o: Vec<f32>,
+}
+
+impl Unit {
+    /// Buffers of the sizes a unit of `group` query heads over `s` positions of `d` values
+    /// fills, zeroed.
+    fn zeroed(group: usize, s: usize, d: usize, gated: bool) -> Self {
+        Self {
+            k: vec![0.0; s * d],
+            q: vec![0.0; group * s * d],
+            p: vec![0.0; group * s * s],
+            o: if gated {
+                vec![0.0; group * s * d]
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    /// The same sizes, without the output before the gate, keeping the values already there:
+    /// a forward-only unit overwrites every value before it reads it.
+    fn fit_forward_only(&mut self, group: usize, s: usize, d: usize) {
+        self.k.resize(s * d, 0.0);
+        self.q.resize(group * s * d, 0.0);
+        self.p.resize(group * s * s, 0.0);
+    }
+
+    fn bytes(&self) -> usize {
+        (self.k.capacity() + self.q.capacity() + self.p.capacity() + self.o.capacity())
+            * size_of::<f32>()
+    }
 }
 
 impl AttentionOp {
@@ -84,8 +130,17 @@ impl AttentionOp {
             gated,
             layout,
             mask,
+            keeps_state: true,
             saved: Mutex::new(Vec::new()),
         })
+    }
+
+    /// The same op for a pass that needs no backward pass (see the module doc).
+    pub fn forward_only(self) -> Self {
+        Self {
+            keeps_state: false,
+            ..self
+        }
     }
 
     /// Column offsets of the gate, q, k and v parts, and the projection's width.
@@ -160,58 +215,66 @@ impl CustomOp3 for AttentionOp {
                 let at = (i * s + t) * half;
                 (&cos[at..at + half], &sin[at..at + half])
             };
-            let mut saved = Unit {
-                k: vec![0.0; s * d],
-                q: vec![0.0; group * s * d],
-                p: vec![0.0; group * s * s],
-                o: if self.gated {
-                    vec![0.0; group * s * d]
-                } else {
-                    Vec::new()
-                },
-            };
-            for (t, k) in saved.k.chunks_exact_mut(d).enumerate() {
-                let (c, sn) = angles(t);
-                rotate(self.layout, &row(t)[k_at + g * d..][..d], c, sn, k);
-            }
-            let v = Strided::matrix(proj, i * s * width + v_at + g * d, 1, (s, d), (width, 1))?;
-            // The group's outputs, `group × seq × d`, gated.
-            let mut out = vec![0.0; group * s * d];
-            for j in 0..group {
-                let head = g * group + j;
-                let q = &mut saved.q[j * s * d..(j + 1) * s * d];
-                for (t, q) in q.chunks_exact_mut(d).enumerate() {
+            let fill = |saved: &mut Unit| -> candle_core::Result<Vec<f32>> {
+                for (t, k) in saved.k.chunks_exact_mut(d).enumerate() {
                     let (c, sn) = angles(t);
-                    rotate(self.layout, &row(t)[q_at + head * d..][..d], c, sn, q);
+                    rotate(self.layout, &row(t)[k_at + g * d..][..d], c, sn, k);
                 }
-                let p = &mut saved.p[j * s * s..(j + 1) * s * s];
-                let qm = Strided::matrix(q, 0, 0, (s, d), (d, 1))?;
-                let kt = Strided::matrix(&saved.k, 0, 0, (s, d), (d, 1))?.t();
-                gemm_into(p, &qm, &kt, (s, d, s), scale, Split::Serial);
-                for (t, p) in p.chunks_exact_mut(s).enumerate() {
-                    if let Some(mask) = self.mask_of(i, s) {
-                        for (x, m) in p.iter_mut().zip(&mask[t * s..(t + 1) * s]) {
-                            *x += m;
+                let v = Strided::matrix(proj, i * s * width + v_at + g * d, 1, (s, d), (width, 1))?;
+                // The group's outputs, `group × seq × d`, gated.
+                let mut out = vec![0.0; group * s * d];
+                for j in 0..group {
+                    let head = g * group + j;
+                    let q = &mut saved.q[j * s * d..(j + 1) * s * d];
+                    for (t, q) in q.chunks_exact_mut(d).enumerate() {
+                        let (c, sn) = angles(t);
+                        rotate(self.layout, &row(t)[q_at + head * d..][..d], c, sn, q);
+                    }
+                    let p = &mut saved.p[j * s * s..(j + 1) * s * s];
+                    let qm = Strided::matrix(q, 0, 0, (s, d), (d, 1))?;
+                    let kt = Strided::matrix(&saved.k, 0, 0, (s, d), (d, 1))?.t();
+                    gemm_into(p, &qm, &kt, (s, d, s), scale, Split::Serial);
+                    for (t, p) in p.chunks_exact_mut(s).enumerate() {
+                        if let Some(mask) = self.mask_of(i, s) {
+                            for (x, m) in p.iter_mut().zip(&mask[t * s..(t + 1) * s]) {
+                                *x += m;
+                            }
+                        }
+                        softmax_in_place(p);
+                    }
+                    let pm = Strided::matrix(p, 0, 0, (s, s), (s, 1))?;
+                    let o = &mut out[j * s * d..(j + 1) * s * d];
+                    gemm_into(o, &pm, &v, (s, s, d), 1.0, Split::Serial);
+                    if self.gated {
+                        if self.keeps_state {
+                            saved.o[j * s * d..(j + 1) * s * d].copy_from_slice(o);
+                        }
+                        let mut gate = vec![0.0; d];
+                        for (t, o) in o.chunks_exact_mut(d).enumerate() {
+                            gate.copy_from_slice(&row(t)[gate_at + head * d..][..d]);
+                            sigmoid_in_place(&mut gate);
+                            for (o, &sg) in o.iter_mut().zip(&gate) {
+                                *o *= sg;
+                            }
                         }
                     }
-                    softmax_in_place(p);
                 }
-                let pm = Strided::matrix(p, 0, 0, (s, s), (s, 1))?;
-                let o = &mut out[j * s * d..(j + 1) * s * d];
-                gemm_into(o, &pm, &v, (s, s, d), 1.0, Split::Serial);
-                if self.gated {
-                    saved.o[j * s * d..(j + 1) * s * d].copy_from_slice(o);
-                    let mut gate = vec![0.0; d];
-                    for (t, o) in o.chunks_exact_mut(d).enumerate() {
-                        gate.copy_from_slice(&row(t)[gate_at + head * d..][..d]);
-                        sigmoid_in_place(&mut gate);
-                        for (o, &sg) in o.iter_mut().zip(&gate) {
-                            *o *= sg;
-                        }
-                    }
-                }
+                Ok(out)
+            };
+            if self.keeps_state {
+                let mut saved = Unit::zeroed(group, s, d, self.gated);
+                let out = fill(&mut saved)?;
+                return Ok((saved, out));
             }
-            Ok((saved, out))
+            let out = SCRATCH.with_borrow_mut(|scratch| {
+                scratch.fit_forward_only(group, s, d);
+                let out = fill(scratch);
+                if scratch.bytes() > KEPT_SCRATCH_BYTES {
+                    *scratch = Unit::default();
+                }
+                out
+            })?;
+            Ok((Unit::default(), out))
         })
         .into_iter()
         .collect::<candle_core::Result<Vec<_>>>()?;
@@ -227,7 +290,9 @@ impl CustomOp3 for AttentionOp {
                 }
             }
         });
-        *self.saved.lock().expect("attention state") = units.into_iter().map(|u| u.0).collect();
+        if self.keeps_state {
+            *self.saved.lock().expect("attention state") = units.into_iter().map(|u| u.0).collect();
+        }
         Ok((CpuStorage::F32(out), Shape::from((b, s, h * d))))
     }
 
@@ -500,6 +565,46 @@ mod tests {
             let weights = random(&mut rng, (b, s, shape.0 * shape.2), -1.0..1.0);
             let grad = |y: &Tensor| grads_of(y, &weights, &[&proj]).remove(0);
             close(&grad(&fused), &grad(&reference), 1e-4);
+        }
+    }
+
+    /// Forward-only ops reuse each thread's buffers from unit to unit and call to call, here
+    /// through shapes that grow, shrink and pass the size kept between calls: every output must
+    /// still be the bits of the op that keeps its state.
+    #[test]
+    fn forward_only_gives_the_same_bits() {
+        let mut rng = StdRng::seed_from_u64(12);
+        let cases = [
+            ((3, 3, 8), true, RopeLayout::Halves, 2, 17),
+            ((4, 2, 6), false, RopeLayout::Interleaved, 3, 5),
+            ((2, 1, 4), true, RopeLayout::Halves, 1, 1100),
+            ((3, 3, 8), true, RopeLayout::Halves, 4, 9),
+        ];
+        for (shape, gated, layout, b, s) in cases {
+            let blocks: Vec<usize> = (0..b).map(|i| i % 3 * s / 4).collect();
+            let flat: Arc<[f32]> = mask(s, &blocks, &vec![0; b])
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .into();
+            let op = || AttentionOp::new(shape, gated, layout, Some(flat.clone())).unwrap();
+            let (_, _, _, _, width) = op().columns();
+            let proj = random(&mut rng, (b, s, width), -2.0..2.0);
+            let angles = random(&mut rng, (b, s, shape.2 / 2), -3.0..3.0);
+            let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+            let bits = |op: AttentionOp| {
+                let out = proj.apply_op3(&cos, &sin, op).unwrap();
+                let values = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                values.into_iter().map(f32::to_bits).collect::<Vec<_>>()
+            };
+            let kept = bits(op());
+            for _ in 0..2 {
+                assert!(
+                    bits(op().forward_only()) == kept,
+                    "{shape:?}, {b} × {s}: forward-only output differs"
+                );
+            }
         }
     }
 

@@ -761,6 +761,16 @@ impl CustomOp3 for RopeOp {
     }
 }
 
+/// `f` on the contiguous f32 values of a CPU tensor.
+pub(crate) fn read<R>(
+    t: &Tensor,
+    f: impl FnOnce(&[f32]) -> candle_core::Result<R>,
+) -> candle_core::Result<R> {
+    let t = t.contiguous()?;
+    let (storage, layout) = t.storage_and_layout();
+    f(values(cpu_storage(&storage)?, layout)?)
+}
+
 /// One head's row `x` rotated by the angles `cos`, `sin` (`head_dim / 2` each) into `out`; with
 /// `sin` negated, the rotation back.
 ///
