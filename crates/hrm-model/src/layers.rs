@@ -403,8 +403,9 @@ impl Attention {
     /// prompt's first pass) on the CPU in f32: the output `[b, s, h · d]` of one
     /// [`crate::fused::AttentionOp`], which takes the whole input projection and runs every
     /// (sequence, KV head) on the thread team, with its backward pass where gradients are
-    /// tracked. A first pass also appends its rotated keys and its values to the cache. `None`
-    /// for every other pass, and for separate q, k and v weights outside training.
+    /// tracked. A first pass also writes its rotated keys and its values to the cache, from the
+    /// projection on the team ([`ForwardBatch::append_projected`]). `None` for every other
+    /// pass, and for separate q, k and v weights outside training.
     fn whole_pass_forward(
         &self,
         x: &Tensor,
