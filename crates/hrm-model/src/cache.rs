@@ -982,10 +982,10 @@ mod tests {
                     let mut projected_batch = two_rows(&tokens, &mut projected);
                     let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
                     for slot in 0..2 {
-                        let angles = (&values(&proj)[..], &values(&cos)[..], &values(&sin)[..]);
+                        let inputs = (&values(&proj)[..], &values(&cos)[..], &values(&sin)[..]);
                         assert!(
                             projected_batch
-                                .append_projected(slot, angles, columns)
+                                .append_projected(slot, inputs, columns)
                                 .unwrap()
                         );
                     }
