@@ -169,10 +169,10 @@ impl SeqCache {
         let position = buffers.len;
         buffers
             .keys
-            .inplace_op1(&WritePosition { rows: k, position })?;
+            .inplace_op1(&InPlace(WritePosition { rows: k, position }))?;
         buffers
             .values
-            .inplace_op1(&WritePosition { rows: v, position })?;
+            .inplace_op1(&InPlace(WritePosition { rows: v, position }))?;
         buffers.len += 1;
         Ok(())
     }
@@ -188,11 +188,11 @@ impl SeqCache {
         let buffers = self.room_for(slot, new, shape, &Device::Cpu)?;
         let position = buffers.len;
         for part in [Part::Keys, Part::Values] {
-            let write = WriteProjected {
+            let write = InPlace(WriteProjected {
                 rows,
                 part,
                 position,
-            };
+            });
             match part {
                 Part::Keys => buffers.keys.inplace_op1(&write)?,
                 Part::Values => buffers.values.inplace_op1(&write)?,
@@ -251,39 +251,43 @@ enum Part {
     Values,
 }
 
-/// Writes [`ProjectedRows`]' keys (rotated) or values at `position` of a contiguous `[1,
-/// kv_heads, capacity, head_dim]` cache buffer, converted to the buffer's dtype.
-struct WriteProjected<'a> {
-    rows: &'a ProjectedRows<'a>,
-    part: Part,
-    position: usize,
+/// A value a cache buffer holds: f32, or f16 (a GGUF model's cache on the CPU).
+trait CacheValue: Copy + Send {
+    /// `x` into `out`, rounded to this dtype as `Tensor::to_dtype` rounds.
+    fn store(out: &mut [Self], x: &[f32]);
 }
 
-impl WriteProjected<'_> {
-    /// Head `h`'s new positions into its `capacity × head_dim` values of the buffer, each
-    /// position's f32 values through `store`.
-    fn head<T>(&self, h: usize, buffer: &mut [T], store: impl Fn(&mut [T], &[f32])) {
-        let (rows, columns) = (self.rows, &self.rows.columns);
-        let (d, half) = (columns.head_dim, columns.head_dim / 2);
-        let mut rotated = vec![0f32; d];
-        for (t, row) in rows.proj.chunks_exact(columns.width).enumerate() {
-            let out = &mut buffer[(self.position + t) * d..][..d];
-            match self.part {
-                Part::Keys => {
-                    let (cos, sin) = (&rows.cos[t * half..][..half], &rows.sin[t * half..][..half]);
-                    let key = &row[columns.keys_at + h * d..][..d];
-                    crate::fused::rotate(columns.layout, key, cos, sin, &mut rotated);
-                    store(out, &rotated);
-                }
-                Part::Values => store(out, &row[columns.values_at + h * d..][..d]),
-            }
+impl CacheValue for f32 {
+    fn store(out: &mut [f32], x: &[f32]) {
+        out.copy_from_slice(x);
+    }
+}
+
+impl CacheValue for half::f16 {
+    fn store(out: &mut [half::f16], x: &[f32]) {
+        for (out, &x) in out.iter_mut().zip(x) {
+            *out = half::f16::from_f32(x);
         }
     }
 }
 
-impl candle_core::InplaceOp1 for WriteProjected<'_> {
+/// A write into a cache buffer in place, whatever dtype it holds; [`InPlace`] runs it.
+trait CacheWrite {
+    /// The op's name, for candle.
+    const NAME: &'static str;
+
+    /// Writes into `values`, the `[heads, capacity, head_dim]` values of a contiguous buffer
+    /// (`dims`).
+    fn write<T: CacheValue>(&self, values: &mut [T], dims: (usize, usize, usize)) -> Result<()>;
+}
+
+/// A [`CacheWrite`] as candle's in-place op on a contiguous `[1, heads, capacity, head_dim]`
+/// cache buffer.
+struct InPlace<W>(W);
+
+impl<W: CacheWrite> candle_core::InplaceOp1 for InPlace<W> {
     fn name(&self) -> &'static str {
-        "kv-cache-write-projected"
+        W::NAME
     }
 
     fn cpu_fwd(
@@ -295,6 +299,56 @@ impl candle_core::InplaceOp1 for WriteProjected<'_> {
         let Some((start, end)) = layout.contiguous_offsets() else {
             candle_core::bail!("KV cache: a buffer is not contiguous")
         };
+        let dims = (heads, capacity, head_dim);
+        match storage {
+            candle_core::CpuStorage::F32(buffer) if buffer.len() >= end => {
+                self.0.write(&mut buffer[start..end], dims)
+            }
+            candle_core::CpuStorage::F16(buffer) if buffer.len() >= end => {
+                self.0.write(&mut buffer[start..end], dims)
+            }
+            _ => candle_core::bail!("KV cache: buffers hold f32 or f16"),
+        }
+    }
+}
+
+/// Writes [`ProjectedRows`]' keys (rotated) or values at `position` of a contiguous `[1,
+/// kv_heads, capacity, head_dim]` cache buffer, converted to the buffer's dtype.
+struct WriteProjected<'a> {
+    rows: &'a ProjectedRows<'a>,
+    part: Part,
+    position: usize,
+}
+
+impl WriteProjected<'_> {
+    /// Head `h`'s new positions into its `capacity × head_dim` values of the buffer.
+    fn head<T: CacheValue>(&self, h: usize, buffer: &mut [T]) {
+        let (rows, columns) = (self.rows, &self.rows.columns);
+        let (d, half) = (columns.head_dim, columns.head_dim / 2);
+        let mut rotated = vec![0f32; d];
+        for (t, row) in rows.proj.chunks_exact(columns.width).enumerate() {
+            let out = &mut buffer[(self.position + t) * d..][..d];
+            match self.part {
+                Part::Keys => {
+                    let (cos, sin) = (&rows.cos[t * half..][..half], &rows.sin[t * half..][..half]);
+                    let key = &row[columns.keys_at + h * d..][..d];
+                    crate::fused::rotate(columns.layout, key, cos, sin, &mut rotated);
+                    T::store(out, &rotated);
+                }
+                Part::Values => T::store(out, &row[columns.values_at + h * d..][..d]),
+            }
+        }
+    }
+}
+
+impl CacheWrite for WriteProjected<'_> {
+    const NAME: &'static str = "kv-cache-write-projected";
+
+    fn write<T: CacheValue>(
+        &self,
+        values: &mut [T],
+        (heads, capacity, head_dim): (usize, usize, usize),
+    ) -> Result<()> {
         let new = self.rows.positions()?;
         if heads != self.rows.columns.kv_heads
             || head_dim != self.rows.columns.head_dim
@@ -302,24 +356,7 @@ impl candle_core::InplaceOp1 for WriteProjected<'_> {
         {
             candle_core::bail!("KV cache: positions that do not fit their buffer")
         }
-        let per_head = capacity * head_dim;
-        match storage {
-            candle_core::CpuStorage::F32(buffer) if buffer.len() >= end => {
-                crate::team::chunks_in_parallel(&mut buffer[start..end], per_head, |h, head| {
-                    self.head(h, head, |out, x| out.copy_from_slice(x));
-                });
-            }
-            candle_core::CpuStorage::F16(buffer) if buffer.len() >= end => {
-                crate::team::chunks_in_parallel(&mut buffer[start..end], per_head, |h, head| {
-                    self.head(h, head, |out, x| {
-                        for (out, &x) in out.iter_mut().zip(x) {
-                            *out = half::f16::from_f32(x);
-                        }
-                    });
-                });
-            }
-            _ => candle_core::bail!("KV cache: buffers hold f32 or f16"),
-        }
+        crate::team::chunks_in_parallel(values, capacity * head_dim, |h, head| self.head(h, head));
         Ok(())
     }
 }
@@ -331,40 +368,22 @@ struct WritePosition<'a> {
     position: usize,
 }
 
-impl candle_core::InplaceOp1 for WritePosition<'_> {
-    fn name(&self) -> &'static str {
-        "kv-cache-write-position"
-    }
+impl CacheWrite for WritePosition<'_> {
+    const NAME: &'static str = "kv-cache-write-position";
 
-    fn cpu_fwd(
+    fn write<T: CacheValue>(
         &self,
-        storage: &mut candle_core::CpuStorage,
-        layout: &candle_core::Layout,
+        values: &mut [T],
+        (heads, capacity, head_dim): (usize, usize, usize),
     ) -> Result<()> {
-        let (_, heads, capacity, head_dim) = layout.shape().dims4()?;
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            candle_core::bail!("KV cache: a buffer is not contiguous")
-        };
         if self.rows.len() != heads * head_dim || self.position >= capacity {
             candle_core::bail!("KV cache: a position that does not fit its buffer")
         }
-        let at = |h: usize| start + (h * capacity + self.position) * head_dim;
-        let heads_rows = self.rows.chunks_exact(head_dim).enumerate();
-        match storage {
-            candle_core::CpuStorage::F32(buffer) if buffer.len() >= end => {
-                for (h, row) in heads_rows {
-                    buffer[at(h)..][..head_dim].copy_from_slice(row);
-                }
-            }
-            candle_core::CpuStorage::F16(buffer) if buffer.len() >= end => {
-                for (h, row) in heads_rows {
-                    let out = &mut buffer[at(h)..][..head_dim];
-                    for (out, &x) in out.iter_mut().zip(row) {
-                        *out = half::f16::from_f32(x);
-                    }
-                }
-            }
-            _ => candle_core::bail!("KV cache: buffers hold f32 or f16"),
+        for (h, row) in self.rows.chunks_exact(head_dim).enumerate() {
+            T::store(
+                &mut values[(h * capacity + self.position) * head_dim..][..head_dim],
+                row,
+            );
         }
         Ok(())
     }
