@@ -28,6 +28,9 @@ pub struct SeqCache {
     slots: Vec<Option<SlotBuffers>>,
     len: usize,
     dtype: DType,
+    /// Tokens the caller expects to decode after the prompt, if it said
+    /// ([`SeqCache::with_decode_room`]).
+    decode_room: Option<usize>,
 }
 
 #[derive(Debug)]
@@ -40,12 +43,15 @@ struct SlotBuffers {
 /// The smallest capacity a slot allocates, in tokens: short decodes never reallocate.
 const MIN_CAPACITY: usize = 64;
 
-/// A slot's capacity at its first append of `new` tokens: room for as many again. A prompt's
-/// pass is followed by decode steps, and a buffer sized to the prompt alone would be copied
-/// whole into a doubled one at the very first step (on the calling thread, while the team
-/// waits); this is the capacity that first step would have grown it to.
-fn first_capacity(new: usize) -> usize {
-    (2 * new).max(MIN_CAPACITY)
+/// A slot's capacity at its first append of `new` tokens: room for as many again, or for the
+/// decode steps the caller expects (`decode_room`) where those are fewer. A prompt's pass is
+/// followed by decode steps, and a buffer sized to the prompt alone would be copied whole into
+/// a doubled one at the very first step (on the calling thread, while the team waits); room for
+/// as many again is the capacity that first step would have grown it to. A request for 32
+/// tokens after a 128-token prompt would otherwise allocate, and zero, 96 positions of every
+/// slot that it never reaches.
+fn first_capacity(new: usize, decode_room: Option<usize>) -> usize {
+    (new + decode_room.map_or(new, |room| room.min(new))).max(MIN_CAPACITY)
 }
 
 impl SlotBuffers {
@@ -84,6 +90,17 @@ impl SeqCache {
             slots: (0..num_slots).map(|_| None).collect(),
             len: 0,
             dtype,
+            decode_room: None,
+        }
+    }
+
+    /// The same cache told that at most `tokens` decode steps follow the prompt: its first
+    /// buffers hold the prompt and those steps where that is less than the default room for as
+    /// many again as the prompt. A longer generation grows the buffers as before.
+    pub fn with_decode_room(self, tokens: usize) -> Self {
+        Self {
+            decode_room: Some(tokens),
+            ..self
         }
     }
 
@@ -114,14 +131,14 @@ impl SeqCache {
         (batch, heads, head_dim): (usize, usize, usize),
         device: &Device,
     ) -> Result<&mut SlotBuffers> {
-        let (dtype, slots) = (self.dtype, self.slots.len());
+        let (dtype, slots, room) = (self.dtype, self.slots.len(), self.decode_room);
         let Some(entry) = self.slots.get_mut(slot) else {
             candle_core::bail!("KV-cache slot {slot} out of range ({slots})")
         };
         let buffers = match entry {
             Some(buffers) => buffers,
             None => {
-                let shape = (batch, heads, first_capacity(new), head_dim);
+                let shape = (batch, heads, first_capacity(new, room), head_dim);
                 entry.insert(SlotBuffers {
                     keys: Tensor::zeros(shape, dtype, device)?,
                     values: Tensor::zeros(shape, dtype, device)?,
@@ -182,8 +199,26 @@ impl SeqCache {
     /// dtype, written into the buffers in place on the thread team, one KV head per unit. The
     /// same values [`Self::append`] writes from the rotated keys and the values as tensors,
     /// without copying either into a tensor first.
+    ///
+    /// A slot's first append makes its buffers from the rows, written once, rather than
+    /// zeroing them and then writing: a batch-8 prompt's pass zeroed 48 MB of buffers on the
+    /// calling thread while the team waited.
     fn append_projected(&mut self, slot: usize, rows: &ProjectedRows<'_>) -> Result<()> {
         let new = rows.positions()?;
+        if let Some(entry @ None) = self.slots.get_mut(slot) {
+            let capacity = first_capacity(new, self.decode_room);
+            let buffer = |part| match self.dtype {
+                DType::F32 => filled_buffer::<f32>(rows, part, capacity),
+                DType::F16 => filled_buffer::<half::f16>(rows, part, capacity),
+                dtype => candle_core::bail!("KV cache: buffers hold f32 or f16, not {dtype:?}"),
+            };
+            *entry = Some(SlotBuffers {
+                keys: buffer(Part::Keys)?,
+                values: buffer(Part::Values)?,
+                len: new,
+            });
+            return Ok(());
+        }
         let shape = (1, rows.columns.kv_heads, rows.columns.head_dim);
         let buffers = self.room_for(slot, new, shape, &Device::Cpu)?;
         let position = buffers.len;
@@ -252,23 +287,64 @@ enum Part {
 }
 
 /// A value a cache buffer holds: f32, or f16 (a GGUF model's cache on the CPU).
-trait CacheValue: Copy + Send {
-    /// `x` into `out`, rounded to this dtype as `Tensor::to_dtype` rounds.
-    fn store(out: &mut [Self], x: &[f32]);
+trait CacheValue: candle_core::WithDType {
+    /// `x` rounded to this dtype as `Tensor::to_dtype` rounds.
+    fn rounded(x: f32) -> Self;
+
+    /// `x` into `out`, rounded.
+    fn store(out: &mut [Self], x: &[f32]) {
+        for (out, &x) in out.iter_mut().zip(x) {
+            *out = Self::rounded(x);
+        }
+    }
 }
 
 impl CacheValue for f32 {
-    fn store(out: &mut [f32], x: &[f32]) {
-        out.copy_from_slice(x);
+    fn rounded(x: f32) -> f32 {
+        x
     }
 }
 
 impl CacheValue for half::f16 {
-    fn store(out: &mut [half::f16], x: &[f32]) {
-        for (out, &x) in out.iter_mut().zip(x) {
-            *out = half::f16::from_f32(x);
-        }
+    fn rounded(x: f32) -> half::f16 {
+        half::f16::from_f32(x)
     }
+}
+
+/// A new contiguous `[1, kv_heads, capacity, head_dim]` buffer holding `rows`' keys (rotated)
+/// or values at its first positions and zeros after them, each head's part written once, on
+/// the thread team.
+fn filled_buffer<T: CacheValue>(
+    rows: &ProjectedRows<'_>,
+    part: Part,
+    capacity: usize,
+) -> Result<Tensor> {
+    let new = rows.positions()?;
+    let (heads, d) = (rows.columns.kv_heads, rows.columns.head_dim);
+    if new > capacity {
+        candle_core::bail!("KV cache: {new} positions for a buffer of {capacity}")
+    }
+    let len = heads * capacity * d;
+    let mut buffer: Vec<T> = Vec::with_capacity(len);
+    crate::team::chunks_in_parallel(
+        &mut buffer.spare_capacity_mut()[..len],
+        capacity * d,
+        |h, head| {
+            let (written, rest) = head.split_at_mut(new * d);
+            rows.each_position(h, part, |t, x| {
+                for (out, &x) in written[t * d..][..d].iter_mut().zip(x) {
+                    out.write(T::rounded(x));
+                }
+            });
+            rest.fill(std::mem::MaybeUninit::new(T::rounded(0.0)));
+        },
+    );
+    // SAFETY: the chunks cover the first `len` values, one head's `capacity · head_dim` each,
+    // and each chunk was written in full: `each_position` hands `put` each of the rows' `new`
+    // positions once (`positions` checked that the rows hold whole positions), `head_dim`
+    // values each, and the zeros fill the rest of the chunk.
+    unsafe { buffer.set_len(len) };
+    Tensor::from_vec(buffer, (1, heads, capacity, d), &Device::Cpu)
 }
 
 /// A write into a cache buffer in place, whatever dtype it holds; [`InPlace`] runs it.
@@ -320,22 +396,22 @@ struct WriteProjected<'a> {
     position: usize,
 }
 
-impl WriteProjected<'_> {
-    /// Head `h`'s new positions into its `capacity × head_dim` values of the buffer.
-    fn head<T: CacheValue>(&self, h: usize, buffer: &mut [T]) {
-        let (rows, columns) = (self.rows, &self.rows.columns);
+impl ProjectedRows<'_> {
+    /// `put(t, x)` for each position `t` in order, `x` its `head_dim` values of head `h`'s
+    /// keys (rotated) or values.
+    fn each_position(&self, h: usize, part: Part, mut put: impl FnMut(usize, &[f32])) {
+        let columns = &self.columns;
         let (d, half) = (columns.head_dim, columns.head_dim / 2);
         let mut rotated = vec![0f32; d];
-        for (t, row) in rows.proj.chunks_exact(columns.width).enumerate() {
-            let out = &mut buffer[(self.position + t) * d..][..d];
-            match self.part {
+        for (t, row) in self.proj.chunks_exact(columns.width).enumerate() {
+            match part {
                 Part::Keys => {
-                    let (cos, sin) = (&rows.cos[t * half..][..half], &rows.sin[t * half..][..half]);
+                    let (cos, sin) = (&self.cos[t * half..][..half], &self.sin[t * half..][..half]);
                     let key = &row[columns.keys_at + h * d..][..d];
                     crate::fused::rotate(columns.layout, key, cos, sin, &mut rotated);
-                    T::store(out, &rotated);
+                    put(t, &rotated);
                 }
-                Part::Values => T::store(out, &row[columns.values_at + h * d..][..d]),
+                Part::Values => put(t, &row[columns.values_at + h * d..][..d]),
             }
         }
     }
@@ -356,7 +432,12 @@ impl CacheWrite for WriteProjected<'_> {
         {
             candle_core::bail!("KV cache: positions that do not fit their buffer")
         }
-        crate::team::chunks_in_parallel(values, capacity * head_dim, |h, head| self.head(h, head));
+        crate::team::chunks_in_parallel(values, capacity * head_dim, |h, head| {
+            let at = |t: usize| (self.position + t) * head_dim;
+            self.rows.each_position(h, self.part, |t, x| {
+                T::store(&mut head[at(t)..][..head_dim], x);
+            });
+        });
         Ok(())
     }
 }
@@ -1010,12 +1091,14 @@ mod tests {
                     }
                     projected_batch.commit();
                 }
+                // The whole buffers, past the cached positions too: both paths size them alike,
+                // and a first append that made its buffers from the rows must have written
+                // every value of them.
                 let held = |cache: &SeqCache, slot: usize| -> Vec<u32> {
                     let buffers = cache.slots[slot].as_ref().unwrap();
                     [&buffers.keys, &buffers.values]
                         .into_iter()
                         .flat_map(|t| {
-                            let t = t.narrow(2, 0, buffers.len).unwrap();
                             let t = t.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
                             t.to_vec1::<f32>().unwrap()
                         })
@@ -1054,6 +1137,36 @@ mod tests {
         assert_eq!(capacity(&cache), (2 * prompt, 2 * prompt));
         cache.append(0, &zeros(1), &zeros(1)).unwrap();
         assert_eq!(capacity(&cache), (4 * prompt, 4 * prompt));
+    }
+
+    /// A cache told how many decode steps follow makes its first buffers the prompt and those
+    /// steps (where that is less than as many again), and still grows past them.
+    #[test]
+    fn a_decode_room_sizes_the_first_buffers() {
+        let prompt = 3 * MIN_CAPACITY;
+        let zeros = |n: usize| Tensor::zeros((1, 2, n, 3), DType::F32, &Device::Cpu).unwrap();
+        let capacity = |cache: &SeqCache| cache.slots[0].as_ref().unwrap().keys.dim(2).unwrap();
+        for (room, first) in [(5, prompt + 5), (0, prompt), (10 * prompt, 2 * prompt)] {
+            let mut cache = SeqCache::new(1, DType::F32).with_decode_room(room);
+            cache.append(0, &zeros(prompt), &zeros(prompt)).unwrap();
+            assert_eq!(capacity(&cache), first, "room {room}");
+            for _ in 0..first - prompt + 1 {
+                cache.append(0, &zeros(1), &zeros(1)).unwrap();
+            }
+            assert_eq!(capacity(&cache), 2 * first, "room {room}, grown");
+            assert_eq!(
+                cache
+                    .append(0, &zeros(1), &zeros(1))
+                    .unwrap()
+                    .0
+                    .dim(2)
+                    .unwrap(),
+                first + 2
+            );
+        }
+        let mut short = SeqCache::new(1, DType::F32).with_decode_room(1);
+        short.append(0, &zeros(2), &zeros(2)).unwrap();
+        assert_eq!(capacity(&short), MIN_CAPACITY);
     }
 
     /// A pass that fails before its commit leaves the positions it appended behind; the next

@@ -241,7 +241,7 @@ impl Engine {
             prompt,
             generated: Vec::new(),
             text: String::new(),
-            cache: SeqCache::for_model(self.info()),
+            cache: SeqCache::for_model(self.info()).with_decode_room(params.max_tokens),
             sampler,
             params,
             finish,

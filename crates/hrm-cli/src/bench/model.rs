@@ -152,7 +152,7 @@ pub fn run_one(args: RunArgs) -> anyhow::Result<()> {
 
     let decode = |steps: usize| -> anyhow::Result<(f64, f64)> {
         let mut caches: Vec<SeqCache> = (0..args.batch)
-            .map(|_| SeqCache::for_model(&info))
+            .map(|_| SeqCache::for_model(&info).with_decode_room(steps))
             .collect();
         let started = Instant::now();
         let mut batch = ForwardBatch::new(
