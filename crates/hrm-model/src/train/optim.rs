@@ -2,7 +2,9 @@
 
 use std::collections::HashMap;
 
-use candle_core::{CpuStorage, DType, Device, InplaceOp2, InplaceOp3, Layout, Tensor, Var};
+use std::sync::{Mutex, PoisonError};
+
+use candle_core::{CpuStorage, DType, Device, InplaceOp2, Layout, Tensor, Var};
 
 use crate::fused::{values, values_mut};
 use serde::{Deserialize, Serialize};
@@ -83,27 +85,103 @@ impl Default for AdamWConfig {
 /// Adam with decoupled weight decay, with state that can be saved and restored.
 pub struct AdamW {
     params: Vec<(String, Var)>,
-    first: Vec<Tensor>,
-    second: Vec<Tensor>,
+    moments: Vec<Moments>,
     steps: usize,
     config: AdamWConfig,
 }
 
+/// One parameter's two running means (`m`, `v`).
+///
+/// For a parameter held on the CPU in f32 they are plain buffers, so that one pass updates both
+/// and the parameter ([`FusedStep`]): candle lends an in-place op only one tensor to write.
+/// Elsewhere they are tensors of the parameter's shape, updated by tensor ops.
+enum Moments {
+    Host { first: Vec<f32>, second: Vec<f32> },
+    Tensors { first: Tensor, second: Tensor },
+}
+
+impl Moments {
+    /// Zeros for `theta`.
+    fn zeros(theta: &Tensor) -> Result<Self> {
+        if host_f32(theta) {
+            let n = theta.elem_count();
+            return Ok(Self::Host {
+                first: vec![0.0; n],
+                second: vec![0.0; n],
+            });
+        }
+        Ok(Self::Tensors {
+            first: theta.zeros_like()?,
+            second: theta.zeros_like()?,
+        })
+    }
+
+    /// Both as tensors of `theta`'s shape, dtype and device (for host buffers, copies).
+    fn as_tensors(&self, theta: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok(match self {
+            Self::Host { first, second } => {
+                let tensor =
+                    |values: &[f32]| Tensor::from_slice(values, theta.shape(), theta.device());
+                (tensor(first)?, tensor(second)?)
+            }
+            Self::Tensors { first, second } => (first.clone(), second.clone()),
+        })
+    }
+
+    /// The moments a composed step computed, kept as before.
+    fn set(&mut self, m: Tensor, v: Tensor) -> Result<()> {
+        match self {
+            Self::Host { first, second } => {
+                let values = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+                *first = values(&m)?;
+                *second = values(&v)?;
+            }
+            Self::Tensors { first, second } => (*first, *second) = (m, v),
+        }
+        Ok(())
+    }
+
+    /// `first` and `second` (tensors of any float dtype, `theta`'s shape) as the moments of
+    /// `theta`, kept as [`Moments::zeros`] would keep them.
+    fn from_tensors(theta: &Tensor, first: &Tensor, second: &Tensor) -> Result<Self> {
+        for moment in [first, second] {
+            if moment.shape() != theta.shape() {
+                return Err(Error::InvalidInput(format!(
+                    "optimiser state of shape {:?} for a parameter of shape {:?}",
+                    moment.dims(),
+                    theta.dims()
+                )));
+            }
+        }
+        let like_theta = |t: &Tensor| t.to_dtype(theta.dtype())?.to_device(theta.device())?.copy();
+        if host_f32(theta) {
+            let values = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+            return Ok(Self::Host {
+                first: values(first)?,
+                second: values(second)?,
+            });
+        }
+        Ok(Self::Tensors {
+            first: like_theta(first)?,
+            second: like_theta(second)?,
+        })
+    }
+}
+
+/// Whether a tensor is held on the CPU in f32, contiguous: what the fused step reads and writes.
+fn host_f32(t: &Tensor) -> bool {
+    t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous()
+}
+
 impl AdamW {
     pub fn new(params: Vec<(String, Var)>, config: AdamWConfig) -> Result<Self> {
-        let zeros = |v: &Var| v.as_tensor().zeros_like();
-        let first = params
+        let moments = params
             .iter()
-            .map(|(_, v)| zeros(v))
-            .collect::<candle_core::Result<_>>()?;
-        let second = params
-            .iter()
-            .map(|(_, v)| zeros(v))
-            .collect::<candle_core::Result<_>>()?;
+            .map(|(_, v)| Moments::zeros(v.as_tensor()))
+            .collect::<Result<_>>()?;
         Ok(Self {
             params,
-            first,
-            second,
+            moments,
             steps: 0,
             config,
         })
@@ -147,23 +225,19 @@ impl AdamW {
                 lr,
                 decay,
             };
-            let (m, v) = (&self.first[i], &self.second[i]);
-            if fuse && fusable([theta, g, m, v]) {
-                let first = Moment {
-                    beta: step.beta1,
-                    squared: false,
-                };
-                let second = Moment {
-                    beta: step.beta2,
-                    squared: true,
-                };
-                m.inplace_op2(g, &first)?;
-                v.inplace_op2(g, &second)?;
-                theta.inplace_op3(m, v, &step)?;
-            } else {
-                let (m, v) = step.composed(var, g, m, v)?;
-                self.first[i] = m;
-                self.second[i] = v;
+            match &mut self.moments[i] {
+                Moments::Host { first, second } if fuse && host_f32(theta) && host_f32(g) => {
+                    let fused = FusedStep {
+                        step,
+                        moments: Mutex::new((first, second)),
+                    };
+                    theta.inplace_op2(g, &fused)?;
+                }
+                moments => {
+                    let (m, v) = moments.as_tensors(theta)?;
+                    let (m, v) = step.composed(var, g, &m, &v)?;
+                    moments.set(m, v)?;
+                }
             }
         }
         Ok(())
@@ -172,10 +246,11 @@ impl AdamW {
     /// The moments and the step count, for a checkpoint.
     pub fn state(&self) -> Result<HashMap<String, Tensor>> {
         let mut state = HashMap::new();
-        for (i, (name, _)) in self.params.iter().enumerate() {
+        for ((name, var), moments) in self.params.iter().zip(&self.moments) {
             // Copies: the fused step updates the moments in place.
-            state.insert(format!("m.{name}"), self.first[i].copy()?);
-            state.insert(format!("v.{name}"), self.second[i].copy()?);
+            let (m, v) = moments.as_tensors(var.as_tensor())?;
+            state.insert(format!("m.{name}"), m.copy()?);
+            state.insert(format!("v.{name}"), v.copy()?);
         }
         let device = self
             .params
@@ -188,7 +263,7 @@ impl AdamW {
 
     pub fn load_state(&mut self, state: &HashMap<String, Tensor>) -> Result<()> {
         let missing = |k: &str| Error::InvalidInput(format!("optimiser state has no {k}"));
-        for (i, (name, var)) in self.params.iter().enumerate() {
+        for ((name, var), moments) in self.params.iter().zip(&mut self.moments) {
             let m = state
                 .get(&format!("m.{name}"))
                 .ok_or_else(|| missing(name))?;
@@ -196,8 +271,7 @@ impl AdamW {
                 .get(&format!("v.{name}"))
                 .ok_or_else(|| missing(name))?;
             // Copies: the fused step updates the moments in place.
-            self.first[i] = m.to_dtype(var.dtype())?.to_device(var.device())?.copy()?;
-            self.second[i] = v.to_dtype(var.dtype())?.to_device(var.device())?.copy()?;
+            *moments = Moments::from_tensors(var.as_tensor(), m, v)?;
         }
         let steps = state.get("steps").ok_or_else(|| missing("steps"))?;
         self.steps = steps.to_vec1::<u32>()?[0] as usize;
@@ -207,11 +281,11 @@ impl AdamW {
 
 /// One parameter's AdamW update, with the step's constants.
 ///
-/// On the CPU in f32 it runs fused ([`fusable`]): one pass updates each moment in place and one
-/// pass updates the parameter in place, with no temporary tensors, in chunks over candle's
-/// thread team. Elsewhere it runs as candle tensor ops ([`ParamStep::composed`]). The two are the same f32 arithmetic in the same order
-/// (candle's `tensor * x` is `t * x + 0`, `tensor / x` is `t * (1 / x) + 0`), so they agree bit
-/// for bit; a test holds them to that.
+/// On the CPU in f32 it runs fused ([`FusedStep`]): one pass over the parameter, its gradient
+/// and its moments updates all three in place, with no temporary tensors, in chunks over
+/// candle's thread team. Elsewhere it runs as candle tensor ops ([`ParamStep::composed`]). The
+/// two are the same f32 arithmetic in the same order (candle's `tensor * x` is `t * x + 0`,
+/// `tensor / x` is `t * (1 / x) + 0`), so they agree bit for bit; a test holds them to that.
 #[derive(Clone, Copy, Debug)]
 struct ParamStep {
     beta1: f64,
@@ -238,86 +312,71 @@ impl ParamStep {
         var.set(&(decayed - (update * self.lr)?)?)?;
         Ok((m, v))
     }
-}
 
-/// Whether the fused step applies: every tensor f32, contiguous, on the CPU.
-fn fusable(tensors: [&Tensor; 4]) -> bool {
-    tensors
-        .iter()
-        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32 && t.is_contiguous())
+    /// The same update of matching runs of values, in place.
+    fn apply(&self, (theta, m, v): (&mut [f32], &mut [f32], &mut [f32]), g: &[f32]) {
+        let (keep1, take1) = (self.beta1 as f32, (1.0 - self.beta1) as f32);
+        let (keep2, take2) = (self.beta2 as f32, (1.0 - self.beta2) as f32);
+        let (unbias1, unbias2) = ((1.0 / self.bias1) as f32, (1.0 / self.bias2) as f32);
+        let (eps, lr) = (self.eps as f32, self.lr as f32);
+        let decay = self.decay.map(|d| d as f32);
+        for (((theta, m), v), &g) in theta.iter_mut().zip(m).zip(v).zip(g) {
+            *m = (*m * keep1 + 0.0) + (g * take1 + 0.0);
+            *v = (*v * keep2 + 0.0) + (g * g * take2 + 0.0);
+            let update = (*m * unbias1 + 0.0) / ((*v * unbias2 + 0.0).sqrt() * 1.0 + eps);
+            let decayed = match decay {
+                Some(decay) => *theta * decay + 0.0,
+                None => *theta,
+            };
+            *theta = decayed - (update * lr + 0.0);
+        }
+    }
 }
 
 /// Values per parallel task: 256 KiB of each operand, enough to outweigh the hand-off.
 const CHUNK: usize = 1 << 16;
 
-/// `work` over matching chunks of `dst` and `src`, spread over candle's thread team.
-fn par_zip(dst: &mut [f32], src: &[f32], work: impl Fn(&mut [f32], &[f32]) + Sync) {
-    crate::team::chunks_in_parallel(dst, CHUNK, |i, dst| {
-        work(dst, &src[i * CHUNK..][..dst.len()]);
-    });
+/// A [`ParamStep`] as candle's in-place op on the parameter, with the gradient as its operand
+/// and the parameter's moments (host buffers of its length) updated in the same pass.
+struct FusedStep<'a> {
+    step: ParamStep,
+    moments: Mutex<(&'a mut Vec<f32>, &'a mut Vec<f32>)>,
 }
 
-/// A moment's running mean, in place: `m <- m * beta + g * (1 - beta)` for the first,
-/// `v <- v * beta + g² * (1 - beta)` for the second (`squared`).
-struct Moment {
-    beta: f64,
-    squared: bool,
-}
-
-impl InplaceOp2 for Moment {
+impl InplaceOp2 for FusedStep<'_> {
     fn name(&self) -> &'static str {
-        "adamw-moment"
-    }
-
-    fn cpu_fwd(
-        &self,
-        moment: &mut CpuStorage,
-        moment_layout: &Layout,
-        g: &CpuStorage,
-        g_layout: &Layout,
-    ) -> candle_core::Result<()> {
-        let (keep, take) = (self.beta as f32, (1.0 - self.beta) as f32);
-        let squared = self.squared;
-        let g = values(g, g_layout)?;
-        par_zip(values_mut(moment, moment_layout)?, g, |moment, g| {
-            for (moment, &g) in moment.iter_mut().zip(g) {
-                let g = if squared { g * g } else { g };
-                *moment = (*moment * keep + 0.0) + (g * take + 0.0);
-            }
-        });
-        Ok(())
-    }
-}
-
-/// `theta <- theta * decay - (m̂ / (sqrt(v̂) + eps)) * lr`, in place, from the new moments.
-impl InplaceOp3 for ParamStep {
-    fn name(&self) -> &'static str {
-        "adamw-apply"
+        "adamw"
     }
 
     fn cpu_fwd(
         &self,
         theta: &mut CpuStorage,
         theta_layout: &Layout,
-        m: &CpuStorage,
-        m_layout: &Layout,
-        v: &CpuStorage,
-        v_layout: &Layout,
+        g: &CpuStorage,
+        g_layout: &Layout,
     ) -> candle_core::Result<()> {
-        let (unbias1, unbias2) = ((1.0 / self.bias1) as f32, (1.0 / self.bias2) as f32);
-        let (eps, lr) = (self.eps as f32, self.lr as f32);
-        let decay = self.decay.map(|d| d as f32);
-        let (m, v) = (values(m, m_layout)?, values(v, v_layout)?);
+        let g = values(g, g_layout)?;
         let theta = values_mut(theta, theta_layout)?;
-        crate::team::chunks_in_parallel(theta, CHUNK, |i, theta| {
-            let (m, v) = (&m[i * CHUNK..], &v[i * CHUNK..]);
-            for ((theta, &m), &v) in theta.iter_mut().zip(m).zip(v) {
-                let update = (m * unbias1 + 0.0) / ((v * unbias2 + 0.0).sqrt() * 1.0 + eps);
-                let decayed = match decay {
-                    Some(decay) => *theta * decay + 0.0,
-                    None => *theta,
-                };
-                *theta = decayed - (update * lr + 0.0);
+        let mut moments = self.moments.lock().unwrap_or_else(PoisonError::into_inner);
+        let (m, v) = &mut *moments;
+        if [g.len(), m.len(), v.len()] != [theta.len(); 3] {
+            candle_core::bail!(
+                "AdamW: a parameter of {} values with a gradient of {} and moments of {} and {}",
+                theta.len(),
+                g.len(),
+                m.len(),
+                v.len()
+            )
+        }
+        let mut runs: Vec<_> = theta
+            .chunks_mut(CHUNK)
+            .zip(m.chunks_mut(CHUNK))
+            .zip(v.chunks_mut(CHUNK))
+            .map(|((theta, m), v)| (theta, m, v))
+            .collect();
+        crate::team::chunks_in_parallel(&mut runs, 1, |i, run| {
+            for (theta, m, v) in run {
+                self.step.apply((theta, m, v), &g[i * CHUNK..]);
             }
         });
         Ok(())
@@ -358,7 +417,8 @@ mod tests {
     #[test]
     fn the_fused_step_is_the_composed_step_bit_for_bit() {
         let mut rng = StdRng::seed_from_u64(5);
-        for shape in [vec![33, 17], vec![65]] {
+        // The last shape spans more than one run of the team, each run its own part of the gradient.
+        for shape in [vec![33, 17], vec![65], vec![3, CHUNK / 2 + 5]] {
             let start = random(&shape, &mut rng);
             let fused = Var::from_tensor(&start.copy().unwrap()).unwrap();
             let composed = Var::from_tensor(&start.copy().unwrap()).unwrap();
@@ -368,13 +428,7 @@ mod tests {
             for step in 0..4 {
                 let grads = HashMap::from([("w".to_string(), random(&shape, &mut rng))]);
                 let lr = 1e-3 * (step + 1) as f64;
-                let fused_state = &optimisers[0];
-                assert!(fusable([
-                    fused.as_tensor(),
-                    &grads["w"],
-                    &fused_state.first[0],
-                    &fused_state.second[0]
-                ]));
+                assert!(matches!(optimisers[0].moments[0], Moments::Host { .. }));
                 optimisers[0].step(&grads, lr).unwrap();
                 optimisers[1].step_composed(&grads, lr).unwrap();
             }
@@ -383,9 +437,9 @@ mod tests {
                 bits(composed.as_tensor()),
                 "{shape:?}"
             );
-            let [a, b] = &optimisers;
-            assert_eq!(bits(&a.first[0]), bits(&b.first[0]), "first moment");
-            assert_eq!(bits(&a.second[0]), bits(&b.second[0]), "second moment");
+            let [a, b] = optimisers.each_ref().map(|o| o.state().unwrap());
+            assert_eq!(bits(&a["m.w"]), bits(&b["m.w"]), "first moment");
+            assert_eq!(bits(&a["v.w"]), bits(&b["v.w"]), "second moment");
             assert_ne!(
                 bits(fused.as_tensor()),
                 bits(&start),
