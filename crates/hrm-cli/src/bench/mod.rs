@@ -184,7 +184,7 @@ pub fn rounds_note(rounds: usize, ratio: Option<&str>) -> String {
 }
 
 /// The middle value of `values`, in any order (the mean of the middle two for an even count).
-fn median(values: &[f64]) -> f64 {
+pub(super) fn median(values: &[f64]) -> f64 {
     let mut sorted = values.to_vec();
     sorted.sort_by(f64::total_cmp);
     let mid = sorted.len() / 2;

@@ -4,7 +4,10 @@
 //! Every measurement runs in a fresh child process (ours: `hrm bench model-run`; transformers:
 //! `benches/transformers_model.py`), so peak RSS belongs to that run alone. Both sides get the
 //! same token ids, prefill the whole batch at once, then decode greedily, one token per sequence
-//! per step, with a KV cache, for the same number of steps (EOS does not stop the run).
+//! per step, with a KV cache, for the same number of steps (EOS does not stop the run). After one
+//! warm-up pass each side times `--passes` passes, each from a fresh cache, and reports the
+//! median prefill and the median decode: a single timed prefill of a small model moved by a
+//! third from run to run on a shared VM.
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -16,7 +19,7 @@ use clap::Args;
 use hrm_model::{ForwardBatch, Logits, SeqCache};
 use serde::{Deserialize, Serialize};
 
-use super::{PairedFigure, Sides, side_by_side};
+use super::{PairedFigure, Sides, median, side_by_side};
 
 #[derive(Args)]
 pub struct ModelBenchArgs {
@@ -29,6 +32,9 @@ pub struct ModelBenchArgs {
     prompt_tokens: usize,
     #[arg(long, default_value_t = 32)]
     decode_tokens: usize,
+    /// Timed passes in each process, after one warm-up: each side reports the median.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    passes: u32,
     #[command(flatten)]
     sides: Sides,
     /// Also write the Markdown table here.
@@ -46,6 +52,8 @@ pub struct RunArgs {
     prompt_tokens: usize,
     #[arg(long)]
     decode_tokens: usize,
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    passes: u32,
 }
 
 /// One measurement; the same JSON comes from `benches/transformers_model.py`.
@@ -79,6 +87,8 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
                 args.prompt_tokens.to_string(),
                 "--decode-tokens".into(),
                 args.decode_tokens.to_string(),
+                "--passes".into(),
+                args.passes.to_string(),
             ];
             let rounds: Vec<(Measurement, _)> = side_by_side(
                 "model-run",
@@ -106,10 +116,12 @@ pub fn run(args: ModelBenchArgs) -> anyhow::Result<()> {
     }
     writeln!(
         table,
-        "\n{} prompt tokens per sequence, {} decode steps, {} CPU threads, f32 activations; {}.",
+        "\n{} prompt tokens per sequence, {} decode steps, {} CPU threads, f32 activations; each \
+         side's figures the medians of {} timed passes in each process; {}.",
         args.prompt_tokens,
         args.decode_tokens,
         args.sides.threads,
+        args.passes,
         args.sides.note("hrm / transformers")
     )?;
     print!("{table}");
@@ -193,7 +205,11 @@ pub fn run_one(args: RunArgs) -> anyhow::Result<()> {
         Ok((prefill, started.elapsed().as_secs_f64()))
     };
     decode(2)?; // warm-up: allocator and thread pool
-    let (prefill_s, decode_s) = decode(args.decode_tokens)?;
+    let passes = (0..args.passes)
+        .map(|_| decode(args.decode_tokens))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let (prefill, decode): (Vec<f64>, Vec<f64>) = passes.into_iter().unzip();
+    let (prefill_s, decode_s) = (median(&prefill), median(&decode));
     let result = Measurement {
         prefill_tokens_per_s: (args.batch * args.prompt_tokens) as f64 / prefill_s,
         decode_tokens_per_s: (args.batch * args.decode_tokens) as f64 / decode_s,
