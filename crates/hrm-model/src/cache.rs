@@ -201,8 +201,8 @@ impl SeqCache {
     /// without copying either into a tensor first.
     ///
     /// A slot's first append makes its buffers from the rows, written once, rather than
-    /// zeroing them and then writing: a batch-8 prompt's pass zeroed 48 MB of buffers on the
-    /// calling thread while the team waited.
+    /// zeroing them and then writing: a batch-8 prompt's pass of `models/sample` zeroed 48 MB of
+    /// buffers on the calling thread while the team waited.
     fn append_projected(&mut self, slot: usize, rows: &ProjectedRows<'_>) -> Result<()> {
         let new = rows.positions()?;
         if let Some(entry @ None) = self.slots.get_mut(slot) {
@@ -1146,7 +1146,13 @@ mod tests {
         let prompt = 3 * MIN_CAPACITY;
         let zeros = |n: usize| Tensor::zeros((1, 2, n, 3), DType::F32, &Device::Cpu).unwrap();
         let capacity = |cache: &SeqCache| cache.slots[0].as_ref().unwrap().keys.dim(2).unwrap();
-        for (room, first) in [(5, prompt + 5), (0, prompt), (10 * prompt, 2 * prompt)] {
+        // The room comes from a request's `max_tokens`: a huge one must not size the buffers.
+        for (room, first) in [
+            (5, prompt + 5),
+            (0, prompt),
+            (10 * prompt, 2 * prompt),
+            (usize::MAX, 2 * prompt),
+        ] {
             let mut cache = SeqCache::new(1, DType::F32).with_decode_room(room);
             cache.append(0, &zeros(prompt), &zeros(prompt)).unwrap();
             assert_eq!(capacity(&cache), first, "room {room}");

@@ -128,6 +128,16 @@ impl Moments {
         })
     }
 
+    /// Copies of both, as tensors of `theta`'s shape, dtype and device: a checkpoint's, which
+    /// later steps must not change.
+    fn copies(&self, theta: &Tensor) -> Result<(Tensor, Tensor)> {
+        match self {
+            // `as_tensors` already copies host buffers.
+            Self::Host { .. } => self.as_tensors(theta),
+            Self::Tensors { first, second } => Ok((first.copy()?, second.copy()?)),
+        }
+    }
+
     /// The moments a composed step computed, kept as before.
     fn set(&mut self, m: Tensor, v: Tensor) -> Result<()> {
         match self {
@@ -247,10 +257,9 @@ impl AdamW {
     pub fn state(&self) -> Result<HashMap<String, Tensor>> {
         let mut state = HashMap::new();
         for ((name, var), moments) in self.params.iter().zip(&self.moments) {
-            // Copies: the fused step updates the moments in place.
-            let (m, v) = moments.as_tensors(var.as_tensor())?;
-            state.insert(format!("m.{name}"), m.copy()?);
-            state.insert(format!("v.{name}"), v.copy()?);
+            let (m, v) = moments.copies(var.as_tensor())?;
+            state.insert(format!("m.{name}"), m);
+            state.insert(format!("v.{name}"), v);
         }
         let device = self
             .params
