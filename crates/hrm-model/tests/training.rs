@@ -10,7 +10,8 @@ use candle_nn::VarMap;
 use common::{expected, fixture, max_abs, max_abs_diff};
 use hrm_model::ModelSpec;
 use hrm_model::train::{
-    AdamWConfig, LrSchedule, ScheduleKind, Trainer, lm_loss, sorted_vars, trainable_vars,
+    AdamWConfig, LrSchedule, ScheduleKind, Trainer, batch_gradients, lm_loss, sorted_vars,
+    trainable_vars,
 };
 
 fn schedule(total: usize) -> LrSchedule {
@@ -80,8 +81,8 @@ fn gradients_match_transformers() {
         )
         .unwrap();
 
-        let ids = expected(name).input_ids;
-        let loss = lm_loss(model.as_ref(), &[ids], 0.0).unwrap();
+        let rows = vec![expected(name).input_ids];
+        let loss = lm_loss(model.as_ref(), &rows, 0.0).unwrap();
         let ours = loss.total.to_scalar::<f32>().unwrap();
         let theirs = reference["loss"].to_vec1::<f32>().unwrap()[0];
         assert!(
@@ -89,26 +90,40 @@ fn gradients_match_transformers() {
             "{name}: loss {ours} vs transformers {theirs}"
         );
 
-        let grads = loss.total.backward().unwrap();
         let params = trainable_vars(&varmap);
         assert_eq!(
             params.len(),
             reference.len() - 1,
             "{name}: parameter sets differ"
         );
-        for (param, var) in params {
-            let want = reference
-                .get(&param)
-                .unwrap_or_else(|| panic!("{name}: transformers has no {param}"));
-            let got = grads
-                .get(var.as_tensor())
-                .unwrap_or_else(|| panic!("{name}: no gradient for {param}"));
-            let scale = max_abs(want);
-            let diff = max_abs_diff(got, want);
-            assert!(
-                diff <= 1e-4 * scale.max(1e-3),
-                "{name}: {param} gradient differs by {diff} (scale {scale})"
-            );
+        // Both ways the gradients are taken: candle's backward pass alone, and the trainer's,
+        // where the fused products sum their weights' gradients in place.
+        let store = loss.total.backward().unwrap();
+        let by_candle: HashMap<String, Tensor> = params
+            .iter()
+            .filter_map(|(param, var)| Some((param.clone(), store.get(var.as_tensor())?.clone())))
+            .collect();
+        let trainers = batch_gradients(model.as_ref(), &params, &[rows], 0.0).unwrap();
+        assert!(
+            (trainers.loss - theirs).abs() < 1e-5,
+            "{name}: the trainer's loss {} vs transformers {theirs}",
+            trainers.loss
+        );
+        for (way, grads) in [("candle", &by_candle), ("trainer", &trainers.grads)] {
+            for (param, _) in &params {
+                let want = reference
+                    .get(param)
+                    .unwrap_or_else(|| panic!("{name}: transformers has no {param}"));
+                let got = grads
+                    .get(param)
+                    .unwrap_or_else(|| panic!("{name}, {way}: no gradient for {param}"));
+                let scale = max_abs(want);
+                let diff = max_abs_diff(got, want);
+                assert!(
+                    diff <= 1e-4 * scale.max(1e-3),
+                    "{name}, {way}: {param} gradient differs by {diff} (scale {scale})"
+                );
+            }
         }
     }
 }

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
-use super::linear::{operands, product, product_grads};
+use super::linear::{input_grad, operands, product, weight_grad};
 use super::{Rows, Strided, check_labels, cpu_storage, exp_from_max, row_readable, values};
 
 /// Mean cross-entropy of `hidden · weightᵀ` (the logits of `hidden: [.., k]` under a head
@@ -131,10 +131,9 @@ impl CustomOp2 for HeadCrossEntropyOp {
         // d(mean loss)/d(logits) = (softmax - onehot) / rows, times the loss's own gradient.
         let scale = grad / rows.max(1) as f32;
         let ps = Strided::matrix(&probs, 0, 0, (rows, vocab), (vocab, 1))?;
-        let (d_x, d_w) = product_grads(&ps, &x_rows, w_values, (vocab, k), scale)?;
+        let d_x = input_grad(&ps, rows, w_values, (vocab, k), scale)?;
         let d_x = Tensor::from_vec(d_x, x.shape(), x.device())?;
-        let d_w = Tensor::from_vec(d_w, (vocab, k), w.device())?;
-        Ok((Some(d_x), Some(d_w)))
+        Ok((Some(d_x), weight_grad(&ps, &x_rows, w, (vocab, k), scale)?))
     }
 }
 

@@ -9,7 +9,10 @@
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
-use super::{Rows, Strided, cpu_storage, error, gemm_new, row_readable, split_for, values};
+use super::weight_grads::sum_into;
+use super::{
+    Rows, Strided, cpu_storage, error, gemm_new, gemm_update, row_readable, split_for, values,
+};
 
 /// `y = x · wᵀ` for `x: [.., k]` (rows at one stride) and a contiguous `w: [n, k]`.
 pub struct LinearOp;
@@ -45,22 +48,44 @@ pub(super) fn product(
     ))
 }
 
-/// The gradients of `x · wᵀ` for `x` and for `w`, `scale · g · w` and `scale · gᵀ · x`, from the
-/// output's gradient `g` (`x.count × n`).
-pub(super) fn product_grads(
+/// `scale · g · w`, the gradient of `x · wᵀ` for `x`, from the output's gradient `g`
+/// (`rows × n`).
+pub(super) fn input_grad(
     g: &Strided,
-    x: &Rows,
+    rows: usize,
     w: &[f32],
     (n, k): (usize, usize),
     scale: f32,
-) -> candle_core::Result<(Vec<f32>, Vec<f32>)> {
+) -> candle_core::Result<Vec<f32>> {
+    let ws = Strided::matrix(w, 0, 0, (n, k), (k, 1))?;
+    Ok(gemm_new(
+        g,
+        &ws,
+        (rows, n, k),
+        scale,
+        split_for(rows * n * k),
+    ))
+}
+
+/// `scale · gᵀ · x`, the gradient of `x · wᵀ` for `w`: added into the installed
+/// [`weight_grads`](super::weight_grads) sink when `w` is a variable (then `None`, no gradient
+/// for candle to add), else a new tensor of `w`'s shape.
+pub(super) fn weight_grad(
+    g: &Strided,
+    x: &Rows,
+    w: &Tensor,
+    (n, k): (usize, usize),
+    scale: f32,
+) -> candle_core::Result<Option<Tensor>> {
     let rows = x.count;
     let xs = Strided::matrix(x.values, 0, 0, (rows, k), (x.stride, 1))?;
-    let ws = Strided::matrix(w, 0, 0, (n, k), (k, 1))?;
-    let split = split_for(rows * n * k);
-    let d_x = gemm_new(g, &ws, (rows, n, k), scale, split);
-    let d_w = gemm_new(&g.t(), &xs, (n, rows, k), scale, split);
-    Ok((d_x, d_w))
+    let (gt, dims, split) = (g.t(), (n, rows, k), split_for(rows * n * k));
+    let new = || gemm_new(&gt, &xs, dims, scale, split);
+    let add = |sum: &mut [f32]| gemm_update(sum, &gt, &xs, dims, scale, true, split);
+    if sum_into(w, new, add) {
+        return Ok(None);
+    }
+    Tensor::from_vec(new(), w.shape(), w.device()).map(Some)
 }
 
 impl CustomOp2 for LinearOp {
@@ -100,10 +125,9 @@ impl CustomOp2 for LinearOp {
             return Err(error("linear: gradient of the wrong shape"));
         }
         let gs = Strided::matrix(g.values, 0, 0, (g.count, n), (g.stride, 1))?;
-        let (d_x, d_w) = product_grads(&gs, &x_rows, w_values, (n, k), 1.0)?;
+        let d_x = input_grad(&gs, x_rows.count, w_values, (n, k), 1.0)?;
         let d_x = Tensor::from_vec(d_x, x.shape(), x.device())?;
-        let d_w = Tensor::from_vec(d_w, (n, k), w.device())?;
-        Ok((Some(d_x), Some(d_w)))
+        Ok((Some(d_x), weight_grad(&gs, &x_rows, w, (n, k), 1.0)?))
     }
 }
 

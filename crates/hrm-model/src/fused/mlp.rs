@@ -20,10 +20,12 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 
-use super::linear::{operands, product, product_grads};
+use super::linear::{input_grad, operands, product, weight_grad};
+use super::weight_grads::sum_into;
 use super::{
-    GroupedMatMul, GroupedPass, Rows, Strided, cpu_storage, error, row_readable, swiglu_grad_rows,
-    swiglu_rows, values,
+    GroupedMatMul, GroupedPass, Rows, Strided, cpu_storage, error, gemm_stacked,
+    gemm_stacked_update, grouped_weight_grad_products, row_readable, swiglu_grad_rows, swiglu_rows,
+    values,
 };
 
 /// How the block's two products are taken.
@@ -71,13 +73,16 @@ impl Products {
         }
     }
 
-    /// The gradients of [`Self::forward`] for `x` and for `w` from the output's gradient `g`.
+    /// The gradients of [`Self::forward`] for `x` and for `w` (the tensor `weight`, whose
+    /// storage is `w`) from the output's gradient `g`; `w`'s is `None` when it was added into
+    /// the installed [`weight_grads`](super::weight_grads) sink.
     fn grads(
         &self,
         (g, g_layout): (&CpuStorage, &Layout),
         (x, x_layout): (&CpuStorage, &Layout),
         (w, w_layout): (&CpuStorage, &Layout),
-    ) -> candle_core::Result<(Vec<f32>, Vec<f32>)> {
+        weight: &Tensor,
+    ) -> candle_core::Result<(Vec<f32>, Option<Tensor>)> {
         match self {
             Self::Dense => {
                 let (x, (n, k)) = operands(x, x_layout, w_layout)?;
@@ -86,7 +91,8 @@ impl Products {
                     return Err(error("swiglu mlp: gradient of the wrong shape"));
                 }
                 let gs = Strided::matrix(g.values, 0, 0, (g.count, n), (g.stride, 1))?;
-                product_grads(&gs, &x, values(w, w_layout)?, (n, k), 1.0)
+                let d_x = input_grad(&gs, x.count, values(w, w_layout)?, (n, k), 1.0)?;
+                Ok((d_x, weight_grad(&gs, &x, weight, (n, k), 1.0)?))
             }
             Self::Grouped(sizes) => {
                 let pass = |pass| GroupedMatMul {
@@ -94,8 +100,16 @@ impl Products {
                     pass,
                 };
                 let input = pass(GroupedPass::InputGrad).cpu_fwd(g, g_layout, w, w_layout)?;
-                let weight = pass(GroupedPass::WeightGrad).cpu_fwd(g, g_layout, x, x_layout)?;
-                Ok((into_values(input.0)?, into_values(weight.0)?))
+                let (products, _) =
+                    grouped_weight_grad_products(sizes, (g, g_layout), (x, x_layout))?;
+                let new = || gemm_stacked(&products);
+                let add = |sum: &mut [f32]| gemm_stacked_update(sum, &products);
+                let d_w = if sum_into(weight, new, add) {
+                    None
+                } else {
+                    Some(Tensor::from_vec(new(), weight.shape(), weight.device())?)
+                };
+                Ok((into_values(input.0)?, d_w))
             }
         }
     }
@@ -184,7 +198,9 @@ impl CustomOp3 for SwiGluMlpOp {
         let down = (cpu_storage(&down_guard)?, down_layout);
         let (gated, gated_layout) = operand(gated, inter);
         let g = (cpu_storage(&g_guard)?, g_layout);
-        let (d_gated, d_down) = self.products.grads(g, (&gated, &gated_layout), down)?;
+        let (d_gated, d_down) = self
+            .products
+            .grads(g, (&gated, &gated_layout), down, down_w)?;
         if d_gated.len() * 2 != gate_up.len() {
             return Err(error("swiglu mlp: gradient of the wrong shape"));
         }
@@ -195,15 +211,11 @@ impl CustomOp3 for SwiGluMlpOp {
         let gate_up = (cpu_storage(&gu_guard)?, gu_layout);
         let (d_x, d_gate_up_w) =
             self.products
-                .grads((&d_gate_up, &d_layout), x_operand, gate_up)?;
+                .grads((&d_gate_up, &d_layout), x_operand, gate_up, gate_up_w)?;
         Ok((
             Some(Tensor::from_vec(d_x, x.shape(), x.device())?),
-            Some(Tensor::from_vec(
-                d_gate_up_w,
-                gate_up_w.shape(),
-                x.device(),
-            )?),
-            Some(Tensor::from_vec(d_down, down_w.shape(), x.device())?),
+            d_gate_up_w,
+            d_down,
         ))
     }
 }

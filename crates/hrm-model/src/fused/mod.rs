@@ -61,11 +61,13 @@ mod linear;
 mod mlp;
 mod routing;
 mod transpose;
+mod weight_grads;
 pub use attention::AttentionOp;
 pub use head_loss::head_cross_entropy;
 pub use linear::linear;
 pub use mlp::{grouped_swiglu_mlp, swiglu_mlp};
 pub use routing::{Routing, combine_rows, gather_rows};
+pub use weight_grads::{WeightGrads, summing_weight_grads};
 
 /// Root-mean-square normalisation without a scale, with its backward pass.
 pub struct RmsNormOp {
@@ -970,6 +972,35 @@ fn check_group_sizes(sizes: &[usize], groups: usize, rows: usize) -> candle_core
     }
 }
 
+/// The products of a grouped product's weight gradient, `gₑᵀ · xₑ` for each group's rows of the
+/// output's gradient `g: [rows, n]` and the input `x: [rows, k]`, and their `[groups, n, k]`
+/// (a group that received no rows has an empty sum, zeros).
+fn grouped_weight_grad_products<'a>(
+    sizes: &[usize],
+    (g_storage, g_layout): (&'a CpuStorage, &Layout),
+    (x_storage, x_layout): (&'a CpuStorage, &Layout),
+) -> candle_core::Result<(Vec<Product<'a>>, Shape)> {
+    let (rows, n) = g_layout.shape().dims2()?;
+    let (x_rows, k) = x_layout.shape().dims2()?;
+    if x_rows != rows {
+        return Err(error("grouped matmul: one gradient row per input row"));
+    }
+    check_group_sizes(sizes, sizes.len(), rows)?;
+    let (g, g_strides) = strided_2d(g_storage, g_layout)?;
+    let (x, x_strides) = strided_2d(x_storage, x_layout)?;
+    let mut start = 0;
+    let products = sizes
+        .iter()
+        .map(|&m| {
+            let a = Strided::matrix(g, start, g_strides.0, (m, n), g_strides)?.t();
+            let b = Strided::matrix(x, start, x_strides.0, (m, k), x_strides)?;
+            start += m;
+            Ok((a, b, (n, m, k)))
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    Ok((products, Shape::from((sizes.len(), n, k))))
+}
+
 /// One matrix of a strided CPU operand: its values from the matrix's first element on, and
 /// its row and column strides.
 #[derive(Clone, Copy)]
@@ -1094,16 +1125,48 @@ fn gemm_new(
 /// whole stack instead of one per product (a mixture-of-experts block has one per expert),
 /// and a thread that finishes its block early takes the next product's instead of waiting for
 /// the other thread's.
-fn gemm_stacked(products: &[(Strided, Strided, (usize, usize, usize))]) -> Vec<f32> {
+fn gemm_stacked(products: &[Product]) -> Vec<f32> {
     let len = products.iter().map(|&(_, _, (m, _, n))| m * n).sum();
     let mut out = Vec::with_capacity(len);
+    // SAFETY: `out` has room for the products' values; gemm without `accumulate` writes each
+    // block in full (zeros when `k` is 0, an empty sum) and reads none of it before.
+    unsafe {
+        gemm_stacked_at(out.as_mut_ptr(), products, false);
+        out.set_len(len);
+    }
+    out
+}
+
+/// [`gemm_stacked`], each product's `a · b` added to the values in `sums` (one after another,
+/// as [`gemm_stacked`] lays them out).
+fn gemm_stacked_update(sums: &mut [f32], products: &[Product]) {
+    let len: usize = products.iter().map(|&(_, _, (m, _, n))| m * n).sum();
+    assert_eq!(sums.len(), len, "gemm: sums of another size");
+    // SAFETY: `sums` holds the products' initialised values, and the borrow keeps everything
+    // else off them.
+    unsafe { gemm_stacked_at(sums.as_mut_ptr(), products, true) };
+}
+
+/// One product of a stack: `a`, `b` and its `(m, k, n)`.
+type Product<'a> = (Strided<'a>, Strided<'a>, (usize, usize, usize));
+
+/// The products' `a · b` (added to what is there, with `accumulate`) into their `m × n` values
+/// laid one after another from `dst`.
+///
+/// # Safety
+/// `dst` must be valid for writes of the products' values, which nothing else reads or writes
+/// meanwhile; with `accumulate`, they must be initialised.
+unsafe fn gemm_stacked_at(dst: *mut f32, products: &[Product], accumulate: bool) {
     let team = candle_core::utils::barrier_pool();
     let parts = team.n_workers() + 1;
     let mut cuts = Vec::with_capacity(products.len());
     let mut at = 0;
     for &(_, b, dims) in products {
         let (m, k, n) = dims;
-        cuts.push((at, Cut::new(&b, dims, false, split_for(m * k * n), parts)));
+        cuts.push((
+            at,
+            Cut::new(&b, dims, accumulate, split_for(m * k * n), parts),
+        ));
         at += m * n;
     }
     let blocks: Vec<(usize, usize)> = (0..parts)
@@ -1114,10 +1177,9 @@ fn gemm_stacked(products: &[(Strided, Strided, (usize, usize, usize))]) -> Vec<f
                 .map(move |(product, _)| (product, block))
         })
         .collect();
-    let dst = SharedOut(out.as_mut_ptr());
-    // SAFETY: the products' `m × n` values tile `out`'s `len` one after another, and each
-    // product's blocks tile its values; gemm without `accumulate` writes each block in full
-    // (zeros when `k` is 0, an empty sum) and reads none of it before.
+    let dst = SharedOut(dst);
+    // SAFETY: the products' `m × n` values tile the caller's values one after another, and each
+    // product's blocks tile its values.
     unsafe {
         let run = |(product, block): (usize, usize)| {
             let (a, b, _) = &products[product];
@@ -1129,9 +1191,7 @@ fn gemm_stacked(products: &[(Strided, Strided, (usize, usize, usize))]) -> Vec<f
         } else {
             team.execute_chunked(blocks.len(), |range| range.for_each(|i| run(blocks[i])));
         }
-        out.set_len(len);
     }
-    out
 }
 
 /// How a product's `m × n` output is cut into blocks, one per thread of candle's team (see
@@ -1464,27 +1524,12 @@ impl CustomOp2 for GroupedMatMul {
                 ))
             }
             GroupedPass::WeightGrad => {
-                let (x_rows, k) = other_layout.shape().dims2()?;
-                if x_rows != rows {
-                    return Err(error("grouped matmul: one gradient row per input row"));
-                }
-                let (groups, n) = (self.sizes.len(), lhs_cols);
-                check_group_sizes(&self.sizes, groups, rows)?;
-                let (x, x_strides) = strided_2d(other_storage, other_layout)?;
-                let products = self
-                    .sizes
-                    .iter()
-                    .map(|&m| {
-                        let a = group_rows(start, m)?.t();
-                        let b = Strided::matrix(x, start, x_strides.0, (m, k), x_strides)?;
-                        start += m;
-                        Ok((a, b, (n, m, k)))
-                    })
-                    .collect::<candle_core::Result<Vec<_>>>()?;
-                Ok((
-                    CpuStorage::F32(gemm_stacked(&products)),
-                    Shape::from((groups, n, k)),
-                ))
+                let (products, shape) = grouped_weight_grad_products(
+                    &self.sizes,
+                    (lhs_storage, lhs_layout),
+                    (other_storage, other_layout),
+                )?;
+                Ok((CpuStorage::F32(gemm_stacked(&products)), shape))
             }
         }
     }

@@ -8,8 +8,10 @@
 //!   forward pass.
 //! - [`AdamW`] is decoupled weight decay Adam. It is ours rather than candle-nn's because a run
 //!   must checkpoint and resume its moments, which candle-nn's optimiser keeps private.
-//! - [`Trainer::step`] accumulates gradients over micro-batches, clips their global norm and
-//!   applies one optimiser step at the scheduled learning rate ([`LrSchedule`]).
+//! - [`Trainer::step`] accumulates gradients over micro-batches ([`batch_gradients`]), clips
+//!   their global norm and applies one optimiser step at the scheduled learning rate
+//!   ([`LrSchedule`]). The fused products add their weights' gradients in place over the whole
+//!   step (`crate::fused::summing_weight_grads`); candle's backward pass gives the rest.
 //!
 //! Everything is deterministic for a given seed: initialisation, data order (see the trainer
 //! binary) and the arithmetic, which runs in a fixed order on the CPU.

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarMap;
 use serde::Serialize;
 
@@ -151,43 +151,27 @@ impl Trainer {
     /// averaged over the micro-batches, so the step equals one over their union.
     pub fn step(&mut self, micro_batches: &[Vec<Vec<u32>>]) -> Result<StepReport> {
         let params = trainable_vars(&self.varmap);
-        let n = micro_batches.len().max(1) as f64;
         let coef = self.spec.aux_loss_coef();
-        let mut summed: HashMap<String, Tensor> = HashMap::new();
-        let (mut loss_sum, mut ce_sum, mut aux_sum, mut tokens) = (0f32, 0f32, None::<f32>, 0);
-        for rows in micro_batches {
-            let loss = lm_loss(self.model.as_ref(), rows, coef)?;
-            let grads: GradStore = (&loss.total / n)?.backward()?;
-            for (name, var) in &params {
-                if let Some(g) = grads.get(var.as_tensor()) {
-                    let acc = match summed.remove(name) {
-                        Some(prev) => (prev + g)?,
-                        None => g.clone(),
-                    };
-                    summed.insert(name.clone(), acc);
-                }
-            }
-            loss_sum += loss.total.to_scalar::<f32>()?;
-            ce_sum += loss.cross_entropy.to_scalar::<f32>()?;
-            if let Some(aux) = &loss.aux {
-                *aux_sum.get_or_insert(0.0) += aux.to_dtype(DType::F32)?.to_scalar::<f32>()?;
-            }
-            tokens += rows.iter().map(|r| r.len() - 1).sum::<usize>();
-        }
-        let grad_norm = global_norm(&summed)?;
+        let BatchGradients {
+            mut grads,
+            loss,
+            cross_entropy,
+            aux,
+            tokens,
+        } = batch_gradients(self.model.as_ref(), &params, micro_batches, coef)?;
+        let grad_norm = global_norm(&grads)?;
         if self.grad_clip > 0.0 && f64::from(grad_norm) > self.grad_clip {
             let scale = self.grad_clip / f64::from(grad_norm);
-            for g in summed.values_mut() {
+            for g in grads.values_mut() {
                 *g = (&*g * scale)?;
             }
         }
         let lr = self.schedule.at(self.optimizer.steps());
-        self.optimizer.step(&summed, lr)?;
-        let n = n as f32;
+        self.optimizer.step(&grads, lr)?;
         Ok(StepReport {
-            loss: loss_sum / n,
-            cross_entropy: ce_sum / n,
-            aux: aux_sum.map(|a| a / n),
+            loss,
+            cross_entropy,
+            aux,
             grad_norm,
             lr,
             tokens,
@@ -198,6 +182,76 @@ impl Trainer {
     pub fn evaluate(&self, rows: &[Vec<u32>], micro_batch: usize) -> Result<f64> {
         evaluate(self.model.as_ref(), rows, micro_batch)
     }
+}
+
+/// The gradients of one step and the mean losses of its micro-batches.
+pub struct BatchGradients {
+    /// By parameter name: the gradient of the objective averaged over the micro-batches.
+    pub grads: HashMap<String, Tensor>,
+    /// The micro-batches' mean `total`, `cross_entropy` and `aux` losses (see [`Loss`]).
+    pub loss: f32,
+    pub cross_entropy: f32,
+    pub aux: Option<f32>,
+    /// Tokens predicted over all the micro-batches.
+    pub tokens: usize,
+}
+
+/// The gradients for `params` of the objective averaged over `micro_batches`, as
+/// [`Trainer::step`] takes them: the fused products sum their weights' gradients in place over
+/// every pass (see [`crate::fused::summing_weight_grads`]), and candle's backward pass gives the
+/// rest, added up over the micro-batches.
+pub fn batch_gradients(
+    model: &dyn CausalLm,
+    params: &[(String, Var)],
+    micro_batches: &[Vec<Vec<u32>>],
+    aux_coef: f64,
+) -> Result<BatchGradients> {
+    let n = micro_batches.len().max(1) as f64;
+    let mut grads: HashMap<String, Tensor> = HashMap::new();
+    let (sums, mut summed_in_place) = crate::fused::summing_weight_grads(|| -> Result<_> {
+        let (mut loss_sum, mut ce_sum, mut aux_sum, mut tokens) = (0f32, 0f32, None::<f32>, 0);
+        for rows in micro_batches {
+            let loss = lm_loss(model, rows, aux_coef)?;
+            let store: GradStore = (&loss.total / n)?.backward()?;
+            for (name, var) in params {
+                if let Some(g) = store.get(var.as_tensor()) {
+                    add_to(&mut grads, name, g.clone())?;
+                }
+            }
+            loss_sum += loss.total.to_scalar::<f32>()?;
+            ce_sum += loss.cross_entropy.to_scalar::<f32>()?;
+            if let Some(aux) = &loss.aux {
+                *aux_sum.get_or_insert(0.0) += aux.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+            }
+            tokens += rows.iter().map(|r| r.len() - 1).sum::<usize>();
+        }
+        Ok((loss_sum, ce_sum, aux_sum, tokens))
+    });
+    let (loss_sum, ce_sum, aux_sum, tokens) = sums?;
+    // A weight can take gradients both ways: a tied embedding is looked up (candle) and is the
+    // head of the loss (summed in place).
+    for (name, var) in params {
+        if let Some(g) = summed_in_place.take(var.as_tensor())? {
+            add_to(&mut grads, name, g)?;
+        }
+    }
+    let n = n as f32;
+    Ok(BatchGradients {
+        grads,
+        loss: loss_sum / n,
+        cross_entropy: ce_sum / n,
+        aux: aux_sum.map(|a| a / n),
+        tokens,
+    })
+}
+
+fn add_to(grads: &mut HashMap<String, Tensor>, name: &str, g: Tensor) -> Result<()> {
+    let sum = match grads.remove(name) {
+        Some(prev) => (prev + g)?,
+        None => g,
+    };
+    grads.insert(name.to_owned(), sum);
+    Ok(())
 }
 
 fn global_norm(grads: &HashMap<String, Tensor>) -> Result<f32> {
