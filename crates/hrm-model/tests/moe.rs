@@ -8,7 +8,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, IndexOp, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
-use common::{expected, fixture, max_abs, max_abs_diff};
+use common::{assert_within_scale, expected, fixture, max_abs_diff};
 use hrm_model::hrm_text::{HrmText, HrmTextConfig};
 use hrm_model::moe::MoeMlp;
 use hrm_model::{CausalLm, ForwardBatch, Logits, ModelConfig};
@@ -226,11 +226,11 @@ fn block_and_gradients_match_transformers_mixtral() {
         let got = grads
             .get(&tensor)
             .unwrap_or_else(|| panic!("no gradient for {name}"));
-        let scale = max_abs(want);
-        let diff = max_abs_diff(got, want);
-        assert!(
-            diff <= 1e-5 * scale.max(1e-3),
-            "{name}: gradient differs from Mixtral's by {diff} (scale {scale})"
+        assert_within_scale(
+            got,
+            want,
+            1e-5,
+            &format!("{name}: gradient against Mixtral's"),
         );
     }
 }

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarMap;
-use common::{expected, fixture, max_abs, max_abs_diff};
+use common::{assert_within_scale, expected, fixture, max_abs_diff};
 use hrm_model::ModelSpec;
 use hrm_model::train::{
     AdamWConfig, LrSchedule, ScheduleKind, Trainer, batch_gradients, lm_loss, sorted_vars,
@@ -117,12 +117,7 @@ fn gradients_match_transformers() {
                 let got = grads
                     .get(param)
                     .unwrap_or_else(|| panic!("{name}, {way}: no gradient for {param}"));
-                let scale = max_abs(want);
-                let diff = max_abs_diff(got, want);
-                assert!(
-                    diff <= 1e-4 * scale.max(1e-3),
-                    "{name}, {way}: {param} gradient differs by {diff} (scale {scale})"
-                );
+                assert_within_scale(got, want, 1e-4, &format!("{name}, {way}: {param} gradient"));
             }
         }
     }

@@ -9,7 +9,7 @@
 
 use candle_core::{CpuStorage, CustomOp2, Layout, Shape, Tensor};
 
-use super::weight_grads::sum_into;
+use super::weight_grads::into_sink_or_tensor;
 use super::{
     Rows, Strided, cpu_storage, error, gemm_new, gemm_update, row_readable, split_for, values,
 };
@@ -80,12 +80,11 @@ pub(super) fn weight_grad(
     let rows = x.count;
     let xs = Strided::matrix(x.values, 0, 0, (rows, k), (x.stride, 1))?;
     let (gt, dims, split) = (g.t(), (n, rows, k), split_for(rows * n * k));
-    let new = || gemm_new(&gt, &xs, dims, scale, split);
-    let add = |sum: &mut [f32]| gemm_update(sum, &gt, &xs, dims, scale, true, split);
-    if sum_into(w, new, add) {
-        return Ok(None);
-    }
-    Tensor::from_vec(new(), w.shape(), w.device()).map(Some)
+    into_sink_or_tensor(
+        w,
+        || gemm_new(&gt, &xs, dims, scale, split),
+        |sum| gemm_update(sum, &gt, &xs, dims, scale, true, split),
+    )
 }
 
 impl CustomOp2 for LinearOp {

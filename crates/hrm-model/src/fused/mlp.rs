@@ -21,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Shape, Tensor};
 
 use super::linear::{input_grad, operands, product, weight_grad};
-use super::weight_grads::sum_into;
+use super::weight_grads::into_sink_or_tensor;
 use super::{
     GroupedMatMul, GroupedPass, Rows, Strided, cpu_storage, error, gemm_stacked,
     gemm_stacked_update, grouped_weight_grad_products, row_readable, swiglu_grad_rows, swiglu_rows,
@@ -102,13 +102,11 @@ impl Products {
                 let input = pass(GroupedPass::InputGrad).cpu_fwd(g, g_layout, w, w_layout)?;
                 let (products, _) =
                     grouped_weight_grad_products(sizes, (g, g_layout), (x, x_layout))?;
-                let new = || gemm_stacked(&products);
-                let add = |sum: &mut [f32]| gemm_stacked_update(sum, &products);
-                let d_w = if sum_into(weight, new, add) {
-                    None
-                } else {
-                    Some(Tensor::from_vec(new(), weight.shape(), weight.device())?)
-                };
+                let d_w = into_sink_or_tensor(
+                    weight,
+                    || gemm_stacked(&products),
+                    |sum| gemm_stacked_update(sum, &products),
+                )?;
                 Ok((into_values(input.0)?, d_w))
             }
         }

@@ -29,7 +29,6 @@ thread_local! {
 }
 
 /// The weight gradients that one [`summing_weight_grads`] summed, by variable.
-#[derive(Default)]
 pub struct WeightGrads(Sums);
 
 impl WeightGrads {
@@ -60,29 +59,27 @@ pub fn summing_weight_grads<T>(work: impl FnOnce() -> T) -> (T, WeightGrads) {
     (out, WeightGrads(sums))
 }
 
-/// Hands `w`'s gradient to this thread's sink: `new()` makes it for the first use of `w`,
-/// `add(sum)` adds it into the sum of the uses before. Returns `false`, calling neither, when no
-/// sink is installed or `w` is not a variable; the caller then returns the gradient to candle.
-pub(super) fn sum_into(
+/// `w`'s gradient: added into this thread's sink when one is installed and `w` is a variable
+/// (`new()` makes it for the first use of `w`, `add(sum)` adds it to the uses before), and then
+/// `None`, nothing for candle to add; otherwise `new()` as a tensor of `w`'s shape, for candle.
+pub(super) fn into_sink_or_tensor(
     w: &Tensor,
     new: impl FnOnce() -> Vec<f32>,
     add: impl FnOnce(&mut [f32]),
-) -> bool {
-    if !w.is_variable() {
-        return false;
+) -> candle_core::Result<Option<Tensor>> {
+    if !w.is_variable() || SINK.with_borrow(Option::is_none) {
+        return Tensor::from_vec(new(), w.shape(), w.device()).map(Some);
     }
     SINK.with_borrow_mut(|sink| {
-        let Some(sums) = sink else {
-            return false;
-        };
+        let sums = sink.as_mut().expect("checked just above, on this thread");
         match sums.entry(w.id()) {
             Entry::Occupied(sum) => add(sum.into_mut()),
             Entry::Vacant(slot) => {
                 slot.insert(new());
             }
         }
-        true
-    })
+    });
+    Ok(None)
 }
 
 #[cfg(test)]

@@ -69,3 +69,15 @@ pub fn max_abs(t: &Tensor) -> f32 {
         .to_scalar::<f32>()
         .unwrap()
 }
+
+/// Asserts that `got` is within `tolerance` of `want`, relative to `want`'s largest element (at
+/// least 1e-3, so that a vanishing gradient is not held to nothing): how gradients are held to a
+/// reference's.
+pub fn assert_within_scale(got: &Tensor, want: &Tensor, tolerance: f32, what: &str) {
+    let scale = max_abs(want);
+    let diff = max_abs_diff(got, want);
+    assert!(
+        diff <= tolerance * scale.max(1e-3),
+        "{what}: differs by {diff} (scale {scale})"
+    );
+}
