@@ -37,9 +37,14 @@ impl WeightGrads {
     pub fn take(&mut self, w: &Tensor) -> candle_core::Result<Option<Tensor>> {
         self.0
             .remove(&w.id())
-            .map(|sum| Tensor::from_vec(sum, w.shape(), w.device()))
+            .map(|sum| shaped_as(w, sum))
             .transpose()
     }
+}
+
+/// A gradient's values as a tensor of its weight's shape, on its device.
+fn shaped_as(w: &Tensor, grad: Vec<f32>) -> candle_core::Result<Tensor> {
+    Tensor::from_vec(grad, w.shape(), w.device())
 }
 
 /// Runs `work` with a sink installed on this thread, and returns what it summed. An enclosing
@@ -67,19 +72,23 @@ pub(super) fn into_sink_or_tensor(
     new: impl FnOnce() -> Vec<f32>,
     add: impl FnOnce(&mut [f32]),
 ) -> candle_core::Result<Option<Tensor>> {
-    if !w.is_variable() || SINK.with_borrow(Option::is_none) {
-        return Tensor::from_vec(new(), w.shape(), w.device()).map(Some);
-    }
-    SINK.with_borrow_mut(|sink| {
-        let sums = sink.as_mut().expect("checked just above, on this thread");
-        match sums.entry(w.id()) {
-            Entry::Occupied(sum) => add(sum.into_mut()),
-            Entry::Vacant(slot) => {
-                slot.insert(new());
+    let for_candle = if w.is_variable() {
+        SINK.with_borrow_mut(|sink| match sink {
+            Some(sums) => {
+                match sums.entry(w.id()) {
+                    Entry::Occupied(sum) => add(sum.into_mut()),
+                    Entry::Vacant(slot) => {
+                        slot.insert(new());
+                    }
+                }
+                None
             }
-        }
-    });
-    Ok(None)
+            None => Some(new()),
+        })
+    } else {
+        Some(new())
+    };
+    for_candle.map(|grad| shaped_as(w, grad)).transpose()
 }
 
 #[cfg(test)]
