@@ -403,15 +403,20 @@ impl ProjectedRows<'_> {
         let columns = &self.columns;
         let (d, half) = (columns.head_dim, columns.head_dim / 2);
         let mut rotated = vec![0f32; d];
+        let at = match part {
+            Part::Keys => columns.keys_at,
+            Part::Values => columns.values_at,
+        } + h * d;
         for (t, row) in self.proj.chunks_exact(columns.width).enumerate() {
+            crate::fused::prefetch_head_ahead(self.proj, columns.width, t, at, d);
+            let head = &row[at..][..d];
             match part {
                 Part::Keys => {
                     let (cos, sin) = (&self.cos[t * half..][..half], &self.sin[t * half..][..half]);
-                    let key = &row[columns.keys_at + h * d..][..d];
-                    crate::fused::rotate(columns.layout, key, cos, sin, &mut rotated);
+                    crate::fused::rotate(columns.layout, head, cos, sin, &mut rotated);
                     put(t, &rotated);
                 }
-                Part::Values => put(t, &row[columns.values_at + h * d..][..d]),
+                Part::Values => put(t, head),
             }
         }
     }

@@ -33,6 +33,7 @@ use std::ops::Range;
 use half::f16;
 
 use crate::decode_matmul::{Kernel, Read};
+use crate::fused::prefetch;
 
 /// Cached positions per unit of work. A part's keys, or its values, at a head size of 64 fill
 /// 16 KiB, half of a core's level-1 data cache, where they stay for every query head of the
@@ -445,18 +446,6 @@ mod halves {
         }
         whole
     }
-}
-
-/// Asks for every line of `block`.
-fn prefetch(block: &[f32]) {
-    #[cfg(target_arch = "x86_64")]
-    for line in block.chunks(16) {
-        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
-        // SAFETY: SSE is in every x86_64 CPU, and a prefetch is a hint that never faults.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = block;
 }
 
 /// One head's output from its parts' `[max, total, weighted sum]`: each part rescaled to the

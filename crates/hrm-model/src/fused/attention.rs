@@ -39,8 +39,8 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
 use super::exp::sigmoid_in_place;
 use super::{
-    Split, Strided, cpu_storage, error, gemm_into, gemm_update, rotate, softmax_grad_row,
-    softmax_in_place, values,
+    Split, Strided, cpu_storage, error, gemm_into, gemm_update, prefetch_head_ahead, rotate,
+    softmax_grad_row, softmax_in_place, values,
 };
 use crate::layers::RopeLayout;
 use crate::team::map_in_parallel;
@@ -218,6 +218,7 @@ impl CustomOp3 for AttentionOp {
             let fill = |saved: &mut Unit| -> candle_core::Result<Vec<f32>> {
                 for (t, k) in saved.k.chunks_exact_mut(d).enumerate() {
                     let (c, sn) = angles(t);
+                    prefetch_head_ahead(proj, width, i * s + t, k_at + g * d, d);
                     rotate(self.layout, &row(t)[k_at + g * d..][..d], c, sn, k);
                 }
                 let v = Strided::matrix(proj, i * s * width + v_at + g * d, 1, (s, d), (width, 1))?;
@@ -228,6 +229,7 @@ impl CustomOp3 for AttentionOp {
                     let q = &mut saved.q[j * s * d..(j + 1) * s * d];
                     for (t, q) in q.chunks_exact_mut(d).enumerate() {
                         let (c, sn) = angles(t);
+                        prefetch_head_ahead(proj, width, i * s + t, q_at + head * d, d);
                         rotate(self.layout, &row(t)[q_at + head * d..][..d], c, sn, q);
                     }
                     let p = &mut saved.p[j * s * s..(j + 1) * s * s];

@@ -773,6 +773,35 @@ pub(crate) fn read<R>(
     f(values(cpu_storage(&storage)?, layout)?)
 }
 
+/// Asks for every line of `block`.
+pub(crate) fn prefetch(block: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in block.chunks(16) {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        // SAFETY: SSE is in every x86_64 CPU, and a prefetch is a hint that never faults.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(line.as_ptr().cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = block;
+}
+
+/// Rows ahead of the one being read that [`prefetch_head_ahead`] asks for.
+const HEAD_AHEAD: usize = 8;
+
+/// Asks for one head's `len` values at `at` of row `t + HEAD_AHEAD` of `rows` (`width` values
+/// a row), if that row exists.
+///
+/// A prompt's rotation and cache writes read one head of each position's projection row: four
+/// lines, then the next row's a whole row further on (4 KB for `models/sample`), a stride the
+/// hardware prefetcher does not follow, so once the projection has left L2 (a batch-8 prompt's
+/// does) each row's load waited for L3 (docs/performance.md, "An Intel Xeon without AMX").
+pub(crate) fn prefetch_head_ahead(rows: &[f32], width: usize, t: usize, at: usize, len: usize) {
+    let start = (t + HEAD_AHEAD) * width + at;
+    if let Some(head) = rows.get(start..start + len) {
+        prefetch(head);
+    }
+}
+
 /// One head's row `x` rotated by the angles `cos`, `sin` (`head_dim / 2` each) into `out`; with
 /// `sin` negated, the rotation back.
 ///
