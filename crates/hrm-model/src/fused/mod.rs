@@ -785,7 +785,8 @@ pub(crate) fn prefetch(block: &[f32]) {
     let _ = block;
 }
 
-/// Rows ahead of the one being read that [`prefetch_head_ahead`] asks for.
+/// Rows ahead of the one being read that [`prefetch_head_ahead`] asks for: a row's rotation takes
+/// a few dozen cycles and a load from L3 some hundreds. Other distances were not measured.
 const HEAD_AHEAD: usize = 8;
 
 /// Asks for one head's `len` values at `at` of row `t + HEAD_AHEAD` of `rows` (`width` values
