@@ -131,9 +131,9 @@ impl RmsNorm {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let dtype = x.dtype();
-        // On the CPU in f32 our kernels serve inference as well as training: they give the same
-        // bits as candle's `rms_norm` and the product by the scale, in one op on the team, where
-        // candle's hands a prefill's rows to rayon's pool.
+        // On the CPU in f32 our kernels serve inference as well as training: candle's `rms_norm`
+        // and the product by the scale (within f32 rounding: the squares are summed in another
+        // order), in one op on the team, where candle's hands a prefill's rows to rayon's pool.
         if let Some(w) = &self.weight
             && x.device().is_cpu()
             && dtype == DType::F32
