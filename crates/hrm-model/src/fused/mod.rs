@@ -299,7 +299,7 @@ fn same_shape(a: &Layout, b: &Layout) -> candle_core::Result<()> {
     }
 }
 
-/// Partial sums of [`rms`]'s squares: one 64-byte line of the row each.
+/// Partial sums of [`rms`]'s squares: as many as a 64-byte line holds f32 values.
 const SQUARE_LANES: usize = 16;
 
 /// `sqrt(mean(x²) + eps)` of one row.
