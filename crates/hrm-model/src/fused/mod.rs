@@ -305,10 +305,10 @@ const SQUARE_LANES: usize = 16;
 /// `sqrt(mean(x²) + eps)` of one row.
 ///
 /// The squares go into [`SQUARE_LANES`] partial sums, lane `j` taking elements `j`, `j + 16`, …,
-/// which are then added in a fixed order: a single running sum waits four cycles for each add,
-/// and held a batch-8 prompt's norms at about 4% of its time (docs/performance.md, "An Intel
-/// Xeon without AMX"). The order depends only on the row's length, so every CPU gives the same
-/// bits (Rust never fuses the multiply into the add).
+/// which are then added in a fixed order: in a single running sum each add waits for the one
+/// before, and that held a batch-8 prompt's norms at 4–5% of its time on an Intel Xeon of family
+/// 6 model 106 (docs/performance.md, "An Intel Xeon without AMX"). The order depends only on the
+/// row's length, so every CPU gives the same bits (Rust never fuses the multiply into the add).
 fn rms(row: &[f32], eps: f32) -> f32 {
     let (lines, tail) = row.as_chunks::<SQUARE_LANES>();
     let mut lanes = [0f32; SQUARE_LANES];
@@ -805,8 +805,9 @@ pub(crate) fn prefetch(block: &[f32]) {
     let _ = block;
 }
 
-/// Rows ahead of the one being read that [`prefetch_head_ahead`] asks for: a row's rotation takes
-/// a few dozen cycles and a load from L3 some hundreds. Other distances were not measured.
+/// Rows ahead of the one being read that [`prefetch_head_ahead`] asks for: a row's rotation is a
+/// few dozen instructions, and a load from L3 takes far longer (an estimate, not measured here).
+/// Other distances were not tried.
 const HEAD_AHEAD: usize = 8;
 
 /// Asks for one head's `len` values at `at` of row `t + HEAD_AHEAD` of `rows` (`width` values
