@@ -78,6 +78,22 @@ fn sigmoid_on(kernel: Kernel, xs: &mut [f32]) {
     }
 }
 
+/// [`swiglu`] on `kernel`'s instruction set.
+fn swiglu_on(kernel: Kernel, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    assert!(
+        gate.len() == out.len() && up.len() == out.len(),
+        "swiglu: gate, up and output of different lengths"
+    );
+    match kernel {
+        Kernel::Scalar => swiglu_scalar(gate, up, out),
+        // SAFETY (each arm): as in `max_on`; the lengths are equal (above).
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => unsafe { avx2::swiglu(gate, up, out) },
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512 => unsafe { avx512::swiglu(gate, up, out) },
+    }
+}
+
 /// [`exp_shifted`] on `kernel`'s instruction set.
 fn exp_shifted_on(kernel: Kernel, xs: &mut [f32], shift: f32) -> f32 {
     match kernel {
@@ -120,6 +136,22 @@ fn sigmoid_scalar(xs: &mut [f32]) {
         .for_each(|x| *x = 1.0 / (1.0 + exp_scalar(-*x)));
 }
 
+/// `out ← sigmoid(g) · (g · u)` one value at a time.
+fn swiglu_scalar(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    for ((out, &g), &u) in out.iter_mut().zip(gate).zip(up) {
+        *out = 1.0 / (1.0 + exp_scalar(-g)) * (g * u);
+    }
+}
+
+/// `out ← silu(g) · u`, SwiGLU's gating, for the values `g`, `u` of `gate` and `up` (all
+/// three of one length), in one pass: [`sigmoid_in_place`]'s sigmoid of `g` times `g · u`.
+/// Written as a copy of the gate, a sigmoid in place and a product, it took three passes over
+/// the row; the copy alone was 1.4% of a batch-8 prompt's samples on an AVX2-only AMD EPYC
+/// (family 25 model 1).
+pub(super) fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    swiglu_on(Kernel::detect(), gate, up, out);
+}
+
 /// `x ← 1 / (1 + exp(-x))` for every value of `xs`, in one pass.
 pub(super) fn sigmoid_in_place(xs: &mut [f32]) {
     sigmoid_on(Kernel::detect(), xs);
@@ -129,7 +161,10 @@ pub(super) fn sigmoid_in_place(xs: &mut [f32]) {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{HIGHEST, LN2_HI, LN2_LO, LOG2E, LOWEST, POLY, exp_shifted_scalar, sigmoid_scalar};
+    use super::{
+        HIGHEST, LN2_HI, LN2_LO, LOG2E, LOWEST, POLY, exp_shifted_scalar, sigmoid_scalar,
+        swiglu_scalar,
+    };
 
     /// # Safety
     /// The CPU has AVX2 and FMA.
@@ -167,6 +202,27 @@ mod avx2 {
             }
         }
         sigmoid_scalar(tail);
+    }
+
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `gate`, `up` and `out` have one length.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        let (gates, gate_tail) = gate.as_chunks::<8>();
+        let (ups, up_tail) = up.as_chunks::<8>();
+        let (outs, out_tail) = out.as_chunks_mut::<8>();
+        let one = _mm256_set1_ps(1.0);
+        for ((g, u), out) in gates.iter().zip(ups).zip(outs) {
+            // SAFETY: each chunk holds the eight values loaded or stored.
+            unsafe {
+                let g = _mm256_loadu_ps(g.as_ptr());
+                let e = exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0)));
+                let s = _mm256_div_ps(one, _mm256_add_ps(one, e));
+                let gu = _mm256_mul_ps(g, _mm256_loadu_ps(u.as_ptr()));
+                _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(s, gu));
+            }
+        }
+        swiglu_scalar(gate_tail, up_tail, out_tail);
     }
 
     /// # Safety
@@ -269,6 +325,29 @@ mod avx512 {
     }
 
     /// # Safety
+    /// The CPU has AVX-512F; `gate`, `up` and `out` have one length.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
+        let one = _mm512_set1_ps(1.0);
+        for (start, out) in (0..).step_by(16).zip(out.chunks_mut(16)) {
+            let mask: __mmask16 = (1u32 << out.len()).wrapping_sub(1) as __mmask16;
+            // SAFETY: the mask covers the chunk's values and no more, and `gate` and `up` hold
+            // as many from `start` as `out`.
+            unsafe {
+                let g = _mm512_maskz_loadu_ps(mask, gate.as_ptr().add(start));
+                let u = _mm512_maskz_loadu_ps(mask, up.as_ptr().add(start));
+                let e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(
+                    _mm512_castps_si512(g),
+                    _mm512_set1_epi32(i32::MIN),
+                )));
+                let s = _mm512_div_ps(one, _mm512_add_ps(one, e));
+                let gated = _mm512_mul_ps(s, _mm512_mul_ps(g, u));
+                _mm512_mask_storeu_ps(out.as_mut_ptr(), mask, gated);
+            }
+        }
+    }
+
+    /// # Safety
     /// The CPU has AVX-512F.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn max(xs: &[f32]) -> f32 {
@@ -321,8 +400,10 @@ mod tests {
     }
 
     /// Against the correctly rounded `exp` (f64, rounded once) over the whole range, on every
-    /// path this CPU has, and the specials; every path gives the scalar path's bits, and its sum
-    /// is the exact sum to within f32's rounding, for lengths that leave every size of tail.
+    /// path this CPU has, and the specials; every path gives the scalar path's bits (its
+    /// sigmoid too, and its SwiGLU, the sigmoid times `g · u`, for lengths with every tail), and
+    /// its sum is the exact sum to within f32's rounding, for lengths that leave every size of
+    /// tail.
     #[test]
     fn within_two_ulp_of_exp_and_the_same_bits_on_every_path() {
         let mut xs: Vec<f32> = (0..200_001)
@@ -358,6 +439,18 @@ mod tests {
             for (&x, &s) in xs.iter().zip(&sigmoids) {
                 let scalar = 1.0 / (1.0 + exp_scalar(-x));
                 assert_eq!(s.to_bits(), scalar.to_bits(), "{path:?}: sigmoid({x})");
+            }
+            let ups: Vec<f32> = (0..xs.len())
+                .map(|i| (i as f32 * 0.61).cos() * 3.0)
+                .collect();
+            for len in [xs.len(), 0, 1, 7, 8, 9, 15, 16, 17, 33] {
+                let (gate, up) = (&xs[xs.len() - len..], &ups[..len]);
+                let mut gated = vec![f32::NAN; len];
+                swiglu_on(path, gate, up, &mut gated);
+                for ((&g, &u), &y) in gate.iter().zip(up).zip(&gated) {
+                    let apart = (1.0 / (1.0 + exp_scalar(-g))) * (g * u);
+                    assert_eq!(y.to_bits(), apart.to_bits(), "{path:?}: swiglu({g}, {u})");
+                }
             }
             let mut out = specials;
             exp_shifted_on(path, &mut out, 0.0);

@@ -663,11 +663,7 @@ fn swiglu_rows(both: &Rows) -> Vec<f32> {
 
 /// `silu(gate) · up` of one row, into `out`.
 pub(crate) fn swiglu_row(gate: &[f32], up: &[f32], out: &mut [f32]) {
-    out.copy_from_slice(gate);
-    exp::sigmoid_in_place(out);
-    for ((out, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *out *= g * u;
-    }
+    exp::swiglu(gate, up, out);
 }
 
 /// The gradient of [`swiglu_rows`] at `both` from the output's gradient `grad`, in `both`'s
