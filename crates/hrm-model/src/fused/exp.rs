@@ -94,6 +94,28 @@ fn swiglu_on(kernel: Kernel, gate: &[f32], up: &[f32], out: &mut [f32]) {
     }
 }
 
+/// [`swiglu_grad`] on `kernel`'s instruction set.
+fn swiglu_grad_on(kernel: Kernel, (gate, up, grad): (&[f32], &[f32], &[f32]), d: Halves) {
+    let len = grad.len();
+    assert!(
+        [gate.len(), up.len(), d.0.len(), d.1.len()]
+            .iter()
+            .all(|&l| l == len),
+        "swiglu gradient: gate, up, gradient and outputs of different lengths"
+    );
+    match kernel {
+        Kernel::Scalar => swiglu_grad_scalar((gate, up, grad), d),
+        // SAFETY (each arm): as in `max_on`; the lengths are equal (above).
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx2 => unsafe { avx2::swiglu_grad((gate, up, grad), d) },
+        #[cfg(target_arch = "x86_64")]
+        Kernel::Avx512 => unsafe { avx512::swiglu_grad((gate, up, grad), d) },
+    }
+}
+
+/// The gate's and the up half's gradients, written by [`swiglu_grad`].
+type Halves<'a> = (&'a mut [f32], &'a mut [f32]);
+
 /// [`exp_shifted`] on `kernel`'s instruction set.
 fn exp_shifted_on(kernel: Kernel, xs: &mut [f32], shift: f32) -> f32 {
     match kernel {
@@ -152,6 +174,24 @@ pub(super) fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
     swiglu_on(Kernel::detect(), gate, up, out);
 }
 
+/// [`swiglu_grad`] one value at a time.
+fn swiglu_grad_scalar((gate, up, grad): (&[f32], &[f32], &[f32]), (d_gate, d_up): Halves) {
+    for e in 0..grad.len() {
+        let (x, u, g) = (gate[e], up[e], grad[e]);
+        let s = 1.0 / (1.0 + exp_scalar(-x));
+        d_gate[e] = g * u * s * (1.0 + x * (1.0 - s));
+        d_up[e] = g * (x * s);
+    }
+}
+
+/// The gradients of [`swiglu`] from the output's gradient `g`, in one pass: with `s` the
+/// sigmoid of the gate value `x` and `u` the up value, `d_gate ← g · u · s · (1 + x · (1 − s))`
+/// and `d_up ← g · (x · s)`, each product and sum in that order on every path (no fused
+/// multiply-adds), so all give the same bits. The sigmoid is [`sigmoid_in_place`]'s.
+pub(super) fn swiglu_grad(gate: &[f32], up: &[f32], grad: &[f32], d: Halves) {
+    swiglu_grad_on(Kernel::detect(), (gate, up, grad), d);
+}
+
 /// `x ← 1 / (1 + exp(-x))` for every value of `xs`, in one pass.
 pub(super) fn sigmoid_in_place(xs: &mut [f32]) {
     sigmoid_on(Kernel::detect(), xs);
@@ -162,8 +202,8 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{
-        HIGHEST, LN2_HI, LN2_LO, LOG2E, LOWEST, POLY, exp_shifted_scalar, sigmoid_scalar,
-        swiglu_scalar,
+        HIGHEST, Halves, LN2_HI, LN2_LO, LOG2E, LOWEST, POLY, exp_shifted_scalar, sigmoid_scalar,
+        swiglu_grad_scalar, swiglu_scalar,
     };
 
     /// # Safety
@@ -226,6 +266,38 @@ mod avx2 {
     }
 
     /// # Safety
+    /// The CPU has AVX2 and FMA; the five slices have one length.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn swiglu_grad(
+        (gate, up, grad): (&[f32], &[f32], &[f32]),
+        (d_gate, d_up): Halves,
+    ) {
+        let whole = grad.len() / 8 * 8;
+        let one = _mm256_set1_ps(1.0);
+        for e in (0..whole).step_by(8) {
+            // SAFETY: every slice holds the eight values from `e` loaded or stored.
+            unsafe {
+                let x = _mm256_loadu_ps(gate.as_ptr().add(e));
+                let u = _mm256_loadu_ps(up.as_ptr().add(e));
+                let g = _mm256_loadu_ps(grad.as_ptr().add(e));
+                let e8 = exp8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0)));
+                let s = _mm256_div_ps(one, _mm256_add_ps(one, e8));
+                let slope = _mm256_add_ps(one, _mm256_mul_ps(x, _mm256_sub_ps(one, s)));
+                let dg = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(g, u), s), slope);
+                _mm256_storeu_ps(d_gate.as_mut_ptr().add(e), dg);
+                _mm256_storeu_ps(
+                    d_up.as_mut_ptr().add(e),
+                    _mm256_mul_ps(g, _mm256_mul_ps(x, s)),
+                );
+            }
+        }
+        swiglu_grad_scalar(
+            (&gate[whole..], &up[whole..], &grad[whole..]),
+            (&mut d_gate[whole..], &mut d_up[whole..]),
+        );
+    }
+
+    /// # Safety
     /// The CPU has AVX2.
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn max(xs: &[f32]) -> f32 {
@@ -281,7 +353,7 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{HIGHEST, LN2_HI, LN2_LO, LOG2E, LOWEST, POLY};
+    use super::{HIGHEST, Halves, LN2_HI, LN2_LO, LOG2E, LOWEST, POLY};
 
     /// The last chunk is loaded and stored under a mask, so no value takes a scalar path.
     ///
@@ -348,6 +420,35 @@ mod avx512 {
     }
 
     /// # Safety
+    /// The CPU has AVX-512F; the five slices have one length.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn swiglu_grad(
+        (gate, up, grad): (&[f32], &[f32], &[f32]),
+        (d_gate, d_up): Halves,
+    ) {
+        let one = _mm512_set1_ps(1.0);
+        for e in (0..grad.len()).step_by(16) {
+            let mask: __mmask16 = (1u32 << (grad.len() - e).min(16)).wrapping_sub(1) as __mmask16;
+            // SAFETY: the mask covers the values from `e` that every slice holds, and no more.
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(mask, gate.as_ptr().add(e));
+                let u = _mm512_maskz_loadu_ps(mask, up.as_ptr().add(e));
+                let g = _mm512_maskz_loadu_ps(mask, grad.as_ptr().add(e));
+                let e16 = exp16(_mm512_castsi512_ps(_mm512_xor_si512(
+                    _mm512_castps_si512(x),
+                    _mm512_set1_epi32(i32::MIN),
+                )));
+                let s = _mm512_div_ps(one, _mm512_add_ps(one, e16));
+                let slope = _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, s)));
+                let dg = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(g, u), s), slope);
+                _mm512_mask_storeu_ps(d_gate.as_mut_ptr().add(e), mask, dg);
+                let du = _mm512_mul_ps(g, _mm512_mul_ps(x, s));
+                _mm512_mask_storeu_ps(d_up.as_mut_ptr().add(e), mask, du);
+            }
+        }
+    }
+
+    /// # Safety
     /// The CPU has AVX-512F.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn max(xs: &[f32]) -> f32 {
@@ -394,6 +495,10 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn bits(xs: &[f32]) -> Vec<u32> {
+        xs.iter().map(|x| x.to_bits()).collect()
+    }
 
     fn ulps(a: f32, b: f32) -> u32 {
         (a.to_bits() as i64 - b.to_bits() as i64).unsigned_abs() as u32
@@ -451,6 +556,13 @@ mod tests {
                     let apart = (1.0 / (1.0 + exp_scalar(-g))) * (g * u);
                     assert_eq!(y.to_bits(), apart.to_bits(), "{path:?}: swiglu({g}, {u})");
                 }
+                let grad = &ups[ups.len() - len..];
+                let (mut d_gate, mut d_up) = (vec![f32::NAN; len], vec![f32::NAN; len]);
+                swiglu_grad_on(path, (gate, up, grad), (&mut d_gate, &mut d_up));
+                let mut theirs = (vec![f32::NAN; len], vec![f32::NAN; len]);
+                swiglu_grad_scalar((gate, up, grad), (&mut theirs.0, &mut theirs.1));
+                assert_eq!(bits(&d_gate), bits(&theirs.0), "{path:?}: gate gradient");
+                assert_eq!(bits(&d_up), bits(&theirs.1), "{path:?}: up gradient");
             }
             let mut out = specials;
             exp_shifted_on(path, &mut out, 0.0);

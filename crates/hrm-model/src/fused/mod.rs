@@ -672,15 +672,7 @@ fn swiglu_grad_rows(both: &Rows, grad: &Rows) -> Vec<f32> {
     let width = both.width / 2;
     fill_rows(both.count, both.width, |i, out| {
         let (gate, up) = both.row(i).split_at(width);
-        let (d_gate, d_up) = out.split_at_mut(width);
-        // sigmoid(gate) first, in the up half's place.
-        d_up.copy_from_slice(gate);
-        exp::sigmoid_in_place(d_up);
-        for e in 0..width {
-            let (x, u, g, s) = (gate[e], up[e], grad.row(i)[e], d_up[e]);
-            d_gate[e] = g * u * s * (1.0 + x * (1.0 - s));
-            d_up[e] = g * (x * s);
-        }
+        exp::swiglu_grad(gate, up, grad.row(i), out.split_at_mut(width));
     })
 }
 
