@@ -152,16 +152,20 @@ pub(super) fn exp_in_place(xs: &mut [f32]) {
     exp_shifted(xs, 0.0);
 }
 
+/// `1 / (1 + exp(-x))` of one value, the sigmoid every path computes.
+fn sigmoid_of(x: f32) -> f32 {
+    1.0 / (1.0 + exp_scalar(-x))
+}
+
 /// `x ← 1 / (1 + exp(-x))` one value at a time.
 fn sigmoid_scalar(xs: &mut [f32]) {
-    xs.iter_mut()
-        .for_each(|x| *x = 1.0 / (1.0 + exp_scalar(-*x)));
+    xs.iter_mut().for_each(|x| *x = sigmoid_of(*x));
 }
 
 /// `out ← sigmoid(g) · (g · u)` one value at a time.
 fn swiglu_scalar(gate: &[f32], up: &[f32], out: &mut [f32]) {
     for ((out, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *out = 1.0 / (1.0 + exp_scalar(-g)) * (g * u);
+        *out = sigmoid_of(g) * (g * u);
     }
 }
 
@@ -178,7 +182,7 @@ pub(super) fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
 fn swiglu_grad_scalar((gate, up, grad): (&[f32], &[f32], &[f32]), (d_gate, d_up): Halves) {
     for e in 0..grad.len() {
         let (x, u, g) = (gate[e], up[e], grad[e]);
-        let s = 1.0 / (1.0 + exp_scalar(-x));
+        let s = sigmoid_of(x);
         d_gate[e] = g * u * s * (1.0 + x * (1.0 - s));
         d_up[e] = g * (x * s);
     }
@@ -229,15 +233,12 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn sigmoid(xs: &mut [f32]) {
         let (lanes, tail) = xs.as_chunks_mut::<8>();
-        let one = _mm256_set1_ps(1.0);
         for chunk in lanes {
             // SAFETY: the chunk holds the eight values loaded and stored.
             unsafe {
-                let minus = _mm256_xor_ps(_mm256_loadu_ps(chunk.as_ptr()), _mm256_set1_ps(-0.0));
-                let e = exp8(minus);
                 _mm256_storeu_ps(
                     chunk.as_mut_ptr(),
-                    _mm256_div_ps(one, _mm256_add_ps(one, e)),
+                    sigmoid8(_mm256_loadu_ps(chunk.as_ptr())),
                 );
             }
         }
@@ -251,13 +252,11 @@ mod avx2 {
         let (gates, gate_tail) = gate.as_chunks::<8>();
         let (ups, up_tail) = up.as_chunks::<8>();
         let (outs, out_tail) = out.as_chunks_mut::<8>();
-        let one = _mm256_set1_ps(1.0);
         for ((g, u), out) in gates.iter().zip(ups).zip(outs) {
             // SAFETY: each chunk holds the eight values loaded or stored.
             unsafe {
                 let g = _mm256_loadu_ps(g.as_ptr());
-                let e = exp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0)));
-                let s = _mm256_div_ps(one, _mm256_add_ps(one, e));
+                let s = sigmoid8(g);
                 let gu = _mm256_mul_ps(g, _mm256_loadu_ps(u.as_ptr()));
                 _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(s, gu));
             }
@@ -280,8 +279,7 @@ mod avx2 {
                 let x = _mm256_loadu_ps(gate.as_ptr().add(e));
                 let u = _mm256_loadu_ps(up.as_ptr().add(e));
                 let g = _mm256_loadu_ps(grad.as_ptr().add(e));
-                let e8 = exp8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0)));
-                let s = _mm256_div_ps(one, _mm256_add_ps(one, e8));
+                let s = sigmoid8(x);
                 let slope = _mm256_add_ps(one, _mm256_mul_ps(x, _mm256_sub_ps(one, s)));
                 let dg = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(g, u), s), slope);
                 _mm256_storeu_ps(d_gate.as_mut_ptr().add(e), dg);
@@ -315,6 +313,14 @@ mod avx2 {
             .chain(tail)
             .copied()
             .fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    /// `1 / (1 + exp(-x))` of eight values, as `sigmoid_of` computes each.
+    #[target_feature(enable = "avx2,fma")]
+    fn sigmoid8(x: __m256) -> __m256 {
+        let one = _mm256_set1_ps(1.0);
+        let e = exp8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0)));
+        _mm256_div_ps(one, _mm256_add_ps(one, e))
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -364,7 +370,7 @@ mod avx512 {
         let by = _mm512_set1_ps(shift);
         let mut sums = _mm512_setzero_ps();
         for chunk in xs.chunks_mut(16) {
-            let mask: __mmask16 = (1u32 << chunk.len()).wrapping_sub(1) as __mmask16;
+            let mask = first_lanes(chunk.len());
             // SAFETY: the mask covers the chunk's values and no more.
             unsafe {
                 let x = _mm512_maskz_loadu_ps(mask, chunk.as_ptr());
@@ -380,18 +386,12 @@ mod avx512 {
     /// The CPU has AVX-512F.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn sigmoid(xs: &mut [f32]) {
-        let one = _mm512_set1_ps(1.0);
         for chunk in xs.chunks_mut(16) {
-            let mask: __mmask16 = (1u32 << chunk.len()).wrapping_sub(1) as __mmask16;
+            let mask = first_lanes(chunk.len());
             // SAFETY: the mask covers the chunk's values and no more.
             unsafe {
                 let x = _mm512_maskz_loadu_ps(mask, chunk.as_ptr());
-                let e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(
-                    _mm512_castps_si512(x),
-                    _mm512_set1_epi32(i32::MIN),
-                )));
-                let s = _mm512_div_ps(one, _mm512_add_ps(one, e));
-                _mm512_mask_storeu_ps(chunk.as_mut_ptr(), mask, s);
+                _mm512_mask_storeu_ps(chunk.as_mut_ptr(), mask, sigmoid16(x));
             }
         }
     }
@@ -400,20 +400,14 @@ mod avx512 {
     /// The CPU has AVX-512F; `gate`, `up` and `out` have one length.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn swiglu(gate: &[f32], up: &[f32], out: &mut [f32]) {
-        let one = _mm512_set1_ps(1.0);
         for (start, out) in (0..).step_by(16).zip(out.chunks_mut(16)) {
-            let mask: __mmask16 = (1u32 << out.len()).wrapping_sub(1) as __mmask16;
+            let mask = first_lanes(out.len());
             // SAFETY: the mask covers the chunk's values and no more, and `gate` and `up` hold
             // as many from `start` as `out`.
             unsafe {
                 let g = _mm512_maskz_loadu_ps(mask, gate.as_ptr().add(start));
                 let u = _mm512_maskz_loadu_ps(mask, up.as_ptr().add(start));
-                let e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(
-                    _mm512_castps_si512(g),
-                    _mm512_set1_epi32(i32::MIN),
-                )));
-                let s = _mm512_div_ps(one, _mm512_add_ps(one, e));
-                let gated = _mm512_mul_ps(s, _mm512_mul_ps(g, u));
+                let gated = _mm512_mul_ps(sigmoid16(g), _mm512_mul_ps(g, u));
                 _mm512_mask_storeu_ps(out.as_mut_ptr(), mask, gated);
             }
         }
@@ -428,17 +422,13 @@ mod avx512 {
     ) {
         let one = _mm512_set1_ps(1.0);
         for e in (0..grad.len()).step_by(16) {
-            let mask: __mmask16 = (1u32 << (grad.len() - e).min(16)).wrapping_sub(1) as __mmask16;
+            let mask = first_lanes((grad.len() - e).min(16));
             // SAFETY: the mask covers the values from `e` that every slice holds, and no more.
             unsafe {
                 let x = _mm512_maskz_loadu_ps(mask, gate.as_ptr().add(e));
                 let u = _mm512_maskz_loadu_ps(mask, up.as_ptr().add(e));
                 let g = _mm512_maskz_loadu_ps(mask, grad.as_ptr().add(e));
-                let e16 = exp16(_mm512_castsi512_ps(_mm512_xor_si512(
-                    _mm512_castps_si512(x),
-                    _mm512_set1_epi32(i32::MIN),
-                )));
-                let s = _mm512_div_ps(one, _mm512_add_ps(one, e16));
+                let s = sigmoid16(x);
                 let slope = _mm512_add_ps(one, _mm512_mul_ps(x, _mm512_sub_ps(one, s)));
                 let dg = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(g, u), s), slope);
                 _mm512_mask_storeu_ps(d_gate.as_mut_ptr().add(e), mask, dg);
@@ -454,12 +444,28 @@ mod avx512 {
     pub(super) unsafe fn max(xs: &[f32]) -> f32 {
         let mut most = _mm512_set1_ps(f32::NEG_INFINITY);
         for chunk in xs.chunks(16) {
-            let mask: __mmask16 = (1u32 << chunk.len()).wrapping_sub(1) as __mmask16;
+            let mask = first_lanes(chunk.len());
             // SAFETY: the mask covers the chunk's values and no more.
             let x = unsafe { _mm512_maskz_loadu_ps(mask, chunk.as_ptr()) };
             most = _mm512_mask_max_ps(most, mask, most, x);
         }
         _mm512_reduce_max_ps(most)
+    }
+
+    /// The mask of the first `n` of sixteen lanes (`n` at most 16).
+    fn first_lanes(n: usize) -> __mmask16 {
+        (1u32 << n).wrapping_sub(1) as __mmask16
+    }
+
+    /// `1 / (1 + exp(-x))` of sixteen values, as `sigmoid_of` computes each.
+    #[target_feature(enable = "avx512f")]
+    fn sigmoid16(x: __m512) -> __m512 {
+        let one = _mm512_set1_ps(1.0);
+        let e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(
+            _mm512_castps_si512(x),
+            _mm512_set1_epi32(i32::MIN),
+        )));
+        _mm512_div_ps(one, _mm512_add_ps(one, e))
     }
 
     #[target_feature(enable = "avx512f")]
