@@ -258,18 +258,13 @@ pub(crate) fn forward(
     let scale = (1.0 / (d as f64).sqrt()) as f32;
     let mut attended = batch.attend_cached(slot, &queries, block.heads, scale)?;
     if block.gated {
-        // Every path of the sigmoid gives the same bits (`fused/exp.rs`), so a row's gates
-        // go at once where the general path takes them head by head.
-        let mut gate = vec![0f32; gate_width];
+        // Every path of the gate gives the same bits (`fused/exp.rs`), so a row's gates go at
+        // once where the general path takes them head by head.
         for (row, out) in projected
             .chunks_exact(width)
             .zip(attended.chunks_exact_mut(gate_width))
         {
-            gate.copy_from_slice(&row[..gate_width]);
-            crate::fused::sigmoid_in_place(&mut gate);
-            for (out, &g) in out.iter_mut().zip(&gate) {
-                *out *= g;
-            }
+            crate::fused::gate_in_place(&row[..gate_width], out);
         }
     }
     add_to(&mut residual, &block.o.apply(&attended, rows)?)?;

@@ -21,6 +21,8 @@
 //! Invariants:
 //! - One unit of work is one (sequence, KV head) pair with the query heads that share it, so
 //!   the gradients of a shared key and value head are summed inside one unit, in a fixed order.
+//! - Each unit writes its heads' outputs, gated, straight into the op's output (its sequence's
+//!   rows, its heads' columns): the units tile the output, so nothing gathers it afterwards.
 //! - The forward pass keeps what the backward pass needs (rotated q and k, the probabilities,
 //!   the output before the gate) inside the op, which candle holds in the graph; the backward
 //!   pass takes it, so each op runs backward once (as every graph in training does). An op made
@@ -37,10 +39,10 @@ use std::sync::{Arc, Mutex};
 
 use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
 
-use super::exp::sigmoid_in_place;
+use super::exp::{gate_in_place, sigmoid_in_place};
 use super::{
-    Split, Strided, cpu_storage, error, gemm_into, gemm_update, prefetch_head_ahead, rotate,
-    softmax_grad_row, softmax_in_place, values,
+    Split, Strided, cpu_storage, error, gemm_block, gemm_into, gemm_update, prefetch_head_ahead,
+    rotate, softmax_grad_row, softmax_in_place, values,
 };
 use crate::layers::RopeLayout;
 use crate::team::map_in_parallel;
@@ -208,22 +210,25 @@ impl CustomOp3 for AttentionOp {
         let scale = 1.0 / (d as f32).sqrt();
         let group = self.group();
 
-        let units = map_in_parallel(b * kvh, |unit| -> candle_core::Result<(Unit, Vec<f32>)> {
+        // Unit (i, g) writes rows `i · s..(i + 1) · s`, columns `g · group · d..(g + 1) · group
+        // · d` (see the module doc).
+        let out_width = h * d;
+        let mut out: Vec<f32> = Vec::with_capacity(b * s * out_width);
+        let dst = super::SharedOut(out.as_mut_ptr());
+        let units = map_in_parallel(b * kvh, |unit| -> candle_core::Result<Unit> {
             let (i, g) = (unit / kvh, unit % kvh);
             let row = |t: usize| &proj[(i * s + t) * width..(i * s + t + 1) * width];
             let angles = |t: usize| {
                 let at = (i * s + t) * half;
                 (&cos[at..at + half], &sin[at..at + half])
             };
-            let fill = |saved: &mut Unit| -> candle_core::Result<Vec<f32>> {
+            let fill = |saved: &mut Unit| -> candle_core::Result<()> {
                 for (t, k) in saved.k.chunks_exact_mut(d).enumerate() {
                     let (c, sn) = angles(t);
                     prefetch_head_ahead(proj, width, i * s + t, k_at + g * d, d);
                     rotate(self.layout, &row(t)[k_at + g * d..][..d], c, sn, k);
                 }
                 let v = Strided::matrix(proj, i * s * width + v_at + g * d, 1, (s, d), (width, 1))?;
-                // The group's outputs, `group × seq × d`, gated.
-                let mut out = vec![0.0; group * s * d];
                 for j in 0..group {
                     let head = g * group + j;
                     let q = &mut saved.q[j * s * d..(j + 1) * s * d];
@@ -245,57 +250,53 @@ impl CustomOp3 for AttentionOp {
                         softmax_in_place(p);
                     }
                     let pm = Strided::matrix(p, 0, 0, (s, s), (s, 1))?;
-                    let o = &mut out[j * s * d..(j + 1) * s * d];
-                    gemm_into(o, &pm, &v, (s, s, d), 1.0, Split::Serial);
-                    if self.gated {
-                        if self.keeps_state {
-                            saved.o[j * s * d..(j + 1) * s * d].copy_from_slice(o);
+                    // SAFETY: this unit's head writes rows `i · s..(i + 1) · s` of its `d`
+                    // columns, inside the output's `b · s × out_width` values, and no other unit
+                    // or head writes them.
+                    let o_at = unsafe {
+                        let o_at = dst.ptr().add(i * s * out_width + head * d);
+                        gemm_block(o_at, (out_width, 1), &pm, &v, (s, s, d), 1.0, false);
+                        o_at
+                    };
+                    for t in 0..s {
+                        // SAFETY: as above, for row `t` of the head's block, which gemm wrote.
+                        let o =
+                            unsafe { std::slice::from_raw_parts_mut(o_at.add(t * out_width), d) };
+                        if self.keeps_state && self.gated {
+                            saved.o[(j * s + t) * d..][..d].copy_from_slice(o);
                         }
-                        let mut gate = vec![0.0; d];
-                        for (t, o) in o.chunks_exact_mut(d).enumerate() {
-                            gate.copy_from_slice(&row(t)[gate_at + head * d..][..d]);
-                            sigmoid_in_place(&mut gate);
-                            for (o, &sg) in o.iter_mut().zip(&gate) {
-                                *o *= sg;
-                            }
+                        if self.gated {
+                            prefetch_head_ahead(proj, width, i * s + t, gate_at + head * d, d);
+                            gate_in_place(&row(t)[gate_at + head * d..][..d], o);
                         }
                     }
                 }
-                Ok(out)
+                Ok(())
             };
             if self.keeps_state {
                 let mut saved = Unit::zeroed(group, s, d, self.gated);
-                let out = fill(&mut saved)?;
-                return Ok((saved, out));
+                fill(&mut saved)?;
+                return Ok(saved);
             }
-            let out = SCRATCH.with_borrow_mut(|scratch| {
+            SCRATCH.with_borrow_mut(|scratch| {
                 scratch.fit_forward_only(group, s, d);
-                let out = fill(scratch);
+                let filled = fill(scratch);
                 if scratch.bytes() > KEPT_SCRATCH_BYTES {
                     *scratch = Unit::default();
                 }
-                out
+                filled
             })?;
-            Ok((Unit::default(), out))
+            Ok(Unit::default())
         })
         .into_iter()
         .collect::<candle_core::Result<Vec<_>>>()?;
-
-        // Each output row gathers its heads from the units, on the team.
-        let out = super::fill_rows(b * s, h * d, |row, out| {
-            let (i, t) = (row / s, row % s);
-            for g in 0..kvh {
-                let values = &units[i * kvh + g].1;
-                for j in 0..group {
-                    let head = g * group + j;
-                    out[head * d..][..d].copy_from_slice(&values[(j * s + t) * d..][..d]);
-                }
-            }
-        });
+        // SAFETY: every unit returned without an error, so together they wrote all
+        // `b · s × out_width` values (above).
+        unsafe { out.set_len(b * s * out_width) };
         if self.keeps_state {
-            *self.saved.lock().expect("attention state") = units.into_iter().map(|u| u.0).collect();
+            *self.saved.lock().expect("attention state") = units;
         }
-        Ok((CpuStorage::F32(out), Shape::from((b, s, h * d))))
+        Ok((CpuStorage::F32(out), Shape::from((b, s, out_width))))
     }
 
     fn bwd(

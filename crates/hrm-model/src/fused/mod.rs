@@ -63,6 +63,7 @@ mod routing;
 mod transpose;
 mod weight_grads;
 pub use attention::AttentionOp;
+pub(crate) use exp::gate_in_place;
 pub use head_loss::head_cross_entropy;
 pub use linear::linear;
 pub use mlp::{grouped_swiglu_mlp, swiglu_mlp};
@@ -531,7 +532,7 @@ pub(crate) fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
 struct SigmoidOp;
 
 /// `x ← 1 / (1 + exp(-x))` over `xs`, [`sigmoid`]'s arithmetic.
-pub(crate) fn sigmoid_in_place(xs: &mut [f32]) {
+fn sigmoid_in_place(xs: &mut [f32]) {
     exp::sigmoid_in_place(xs);
 }
 
