@@ -320,15 +320,32 @@ struct ActPair([i8; 64]);
 /// padded with zeros to whole groups of [`SCALE_GROUP`] blocks, and a half pair with zero
 /// quants. Each row has buffers of its own, so that the rows of a prefill are quantised in
 /// parallel on the thread team rather than on the calling thread while the others wait.
+///
+/// A thread keeps the rows of its last products ([`SPARE_ROWS`]) and hands them to its next ones
+/// of the same row length: a decode step runs some two hundred products of one row each, and
+/// on an Intel Xeon (family 6 model 207) keeping them took the allocator's share of a GGUF
+/// decode's samples from 2.3% to 1.6%. A kept row's padding is still zero, since quantising
+/// writes only the row's own blocks.
 struct Activations {
     rows: Vec<RowBuffers>,
 }
 
-/// One row of [`Activations`].
+/// One row of [`Activations`], for rows of `nb` blocks.
 struct RowBuffers {
+    nb: usize,
     qs: Vec<ActPair>,
     d: Vec<f32>,
     s: Vec<f32>,
+}
+
+/// The most rows a thread keeps for its next products: a decode step's batch, not a prefill's.
+const SPARE_ROWS_KEPT: usize = 64;
+
+thread_local! {
+    /// Rows of this thread's finished products, for its next ones (see [`Activations`]).
+    static SPARE_ROWS: std::cell::RefCell<Vec<RowBuffers>> = const {
+        std::cell::RefCell::new(Vec::new())
+    };
 }
 
 impl RowBuffers {
@@ -336,6 +353,7 @@ impl RowBuffers {
     fn zeroed(nb: usize) -> Self {
         let scales = nb.next_multiple_of(SCALE_GROUP);
         Self {
+            nb,
             qs: vec![ActPair([0; 64]); nb.div_ceil(2)],
             d: vec![0.0; scales],
             s: vec![0.0; scales],
@@ -343,13 +361,33 @@ impl RowBuffers {
     }
 }
 
+impl Drop for Activations {
+    fn drop(&mut self) {
+        // `try_with`: a thread that is exiting has dropped its spare rows already.
+        let _ = SPARE_ROWS.try_with(|spare| {
+            let mut spare = spare.borrow_mut();
+            let room = SPARE_ROWS_KEPT.saturating_sub(spare.len());
+            spare.extend(self.rows.drain(..).take(room));
+        });
+    }
+}
+
 impl Activations {
     fn quantize(kernel: Kernel, x: &[f32], nb: usize) -> Self {
-        // Each row's buffers allocated once (a decode step's single row runs this for every
-        // product), not made once and cloned.
-        let mut rows: Vec<RowBuffers> = (0..x.len() / (nb * QK))
-            .map(|_| RowBuffers::zeroed(nb))
-            .collect();
+        let count = x.len() / (nb * QK);
+        let mut rows: Vec<RowBuffers> = SPARE_ROWS.with_borrow_mut(|spare| {
+            let mut kept = Vec::with_capacity(count);
+            let mut i = 0;
+            while kept.len() < count && i < spare.len() {
+                if spare[i].nb == nb {
+                    kept.push(spare.swap_remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+            kept
+        });
+        rows.extend((rows.len()..count).map(|_| RowBuffers::zeroed(nb)));
         crate::team::chunks_in_parallel(&mut rows, 1, |i, row| {
             let row = &mut row[0];
             for (b, block) in x[i * nb * QK..][..nb * QK]
@@ -946,6 +984,29 @@ mod tests {
                 assert_every_kernel_gives_the_scalar_bits(&w, &x, rows);
             }
         }
+    }
+
+    /// Rows a thread kept from earlier products give the bits of fresh ones: rows of another
+    /// length (here left by a product of infinities) are not taken, and rows of the same length
+    /// are overwritten in full.
+    #[test]
+    fn kept_activation_rows_give_the_bits_of_fresh_ones() {
+        let clear = || SPARE_ROWS.with_borrow_mut(Vec::clear);
+        let wide = QuantMatrix::from_qtensor(&quantized(Format::Q4_1, 16, 576, 7)).unwrap();
+        let narrow = QuantMatrix::from_qtensor(&quantized(Format::Q8_0, 16, 96, 8)).unwrap();
+        for (first, (then, k)) in [(&wide, (&narrow, 96)), (&narrow, (&wide, 576))] {
+            let x = random((3, k), 21);
+            clear();
+            let fresh = then.matmul(&x, 3);
+            clear();
+            first.matmul(&vec![f32::INFINITY; 3 * first.k], 3);
+            let beside_other_rows = then.matmul(&x, 3);
+            then.matmul(&random((3, k), 22), 3);
+            let in_kept_rows = then.matmul(&x, 3);
+            assert_eq!(bits(&beside_other_rows), bits(&fresh), "k = {k}");
+            assert_eq!(bits(&in_kept_rows), bits(&fresh), "k = {k}");
+        }
+        clear();
     }
 
     /// A row's output is the same whatever is batched with it.
