@@ -32,7 +32,7 @@ use std::ops::Range;
 
 use half::f16;
 
-use crate::decode_matmul::{Kernel, Read};
+use crate::decode_matmul::{Kernel, ROW_TILE, Read};
 use crate::fused::prefetch;
 
 /// Cached positions per unit of work. A part's keys, or its values, at a head size of 64 fill
@@ -251,19 +251,16 @@ fn key_scores(kernel: Kernel, q: &[f32], keys: &[f32], scores: &mut [f32]) {
         }
         None => 0,
     };
-    let mut row_store: [&[f32]; PART] = [&[]; PART];
-    let rest = &mut row_store[..scores.len() - tiled];
-    for (slot, key) in rest
-        .iter_mut()
-        .zip(keys[tiled * d..].chunks_exact(d.max(1)))
-    {
-        *slot = key;
-    }
-    for (rows, out) in rest
-        .chunks(kernel.row_tile())
-        .zip(scores[tiled..].chunks_mut(kernel.row_tile()))
-    {
-        kernel.dots(q, Read::Cached, rows, out);
+    // The rows of one call at a time: a part's worth of empty rows, set up for every call,
+    // took two thirds of this function's own samples in a GGUF decode on a Zen 4 AMD EPYC,
+    // where most parts have no keys after their last tile.
+    for (t, out) in scores[tiled..].chunks_mut(kernel.row_tile()).enumerate() {
+        let first = tiled + t * kernel.row_tile();
+        let mut rows: [&[f32]; ROW_TILE] = [&[]; ROW_TILE];
+        for (i, row) in rows[..out.len()].iter_mut().enumerate() {
+            *row = &keys[(first + i) * d..][..d];
+        }
+        kernel.dots(q, Read::Cached, &rows[..out.len()], out);
     }
 }
 

@@ -65,7 +65,7 @@ pub(crate) fn forward(w: &Tensor, x: &Tensor) -> Result<Tensor> {
 }
 
 /// The most activation rows dotted against each weight row per pass ([`Kernel::row_tile`]).
-const ROW_TILE: usize = 8;
+pub(crate) const ROW_TILE: usize = 8;
 /// How far ahead the vector kernels ask for weights (each cache line of the pass is asked for):
 /// as in the GGUF kernels (`quant_matmul.rs`), the hardware prefetcher of an Intel Xeon (family
 /// 6 model 167, AVX-512) fell behind; there it took 0.94× the wall time of `hrm bench model` on
