@@ -21,8 +21,9 @@
 //!   same bits: the norms' rows ([`crate::fused::rms_norm_row`],
 //!   [`crate::fused::scaled_rms_norm_row`]), the products, the rotation
 //!   ([`crate::fused::rotate`]), the cache's rounding, decode attention
-//!   ([`ForwardBatch::attend_cached`]), the gate's sigmoid ([`crate::fused::sigmoid_in_place`])
-//!   and SwiGLU ([`crate::fused::swiglu_row`]). The tests compare hidden states bit for bit,
+//!   ([`ForwardBatch::attend_cached`]), the output gate ([`crate::fused::gate_in_place`], the
+//!   sigmoid and product of the general path's `fused::sigmoid` and `mul`) and SwiGLU
+//!   ([`crate::fused::swiglu_row`]). The tests compare hidden states bit for bit,
 //!   step after step.
 
 use candle_core::{DType, Result, Tensor};

@@ -529,12 +529,8 @@ pub(crate) fn sigmoid(x: &Tensor) -> candle_core::Result<Tensor> {
     }
 }
 
+/// [`sigmoid`] on the CPU in f32: `exp.rs`'s sigmoid of each row.
 struct SigmoidOp;
-
-/// `x ← 1 / (1 + exp(-x))` over `xs`, [`sigmoid`]'s arithmetic.
-fn sigmoid_in_place(xs: &mut [f32]) {
-    exp::sigmoid_in_place(xs);
-}
 
 impl CustomOp1 for SigmoidOp {
     fn name(&self) -> &'static str {
@@ -548,7 +544,7 @@ impl CustomOp1 for SigmoidOp {
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         map_rows(storage, layout, |y, x| {
             y.copy_from_slice(x);
-            sigmoid_in_place(y);
+            exp::sigmoid_in_place(y);
         })
     }
 }
