@@ -21,6 +21,7 @@ pub mod engine;
 pub mod error;
 pub mod fused;
 pub mod hrm_text;
+mod huge_pages;
 pub mod layers;
 pub mod llama;
 pub mod loader;

@@ -6,6 +6,8 @@
 //! its kernels read ([`QuantMatrix`]: the same bytes, rearranged, and the ggml copy dropped),
 //! quantises the activations to 8 bits per block of 32, and multiplies blocks in exact integer
 //! arithmetic, unpacking each pair of weight blocks once for up to [`ROW_TILE`] activation rows.
+//! The repacked matrices lie one after another, in the order the model loads them, in memory
+//! that asks for huge pages ([`crate::huge_pages`]).
 //!
 //! The layout: each weight row holds its blocks' quants two blocks at a time, then the scales
 //! of all its blocks, then (Q4_1) their minimums, as f16. A pair of blocks `a, b` is one 32-byte
@@ -53,6 +55,8 @@
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{D, DType, Result, Tensor};
+
+use crate::huge_pages::WeightBytes;
 
 /// Elements per weight and activation block.
 const QK: usize = 32;
@@ -127,13 +131,42 @@ impl Format {
     }
 }
 
+/// Bytes of one repacked row of `nb` blocks: the quants in pairs of blocks, then the scales,
+/// then (Q4_1) the minimums.
+fn row_bytes(format: Format, nb: usize) -> usize {
+    nb.div_ceil(2) * format.pair_bytes() + 2 * nb * format.scales_per_block()
+}
+
+/// One row of ggml blocks (`source`) in the repacked layout (`row`, [`row_bytes`] long).
+fn repack_row(format: Format, source: &[u8], row: &mut [u8]) {
+    let block_bytes = format.ggml_block_bytes();
+    let nb = source.len() / block_bytes;
+    let (quants, scales) = row.split_at_mut(nb.div_ceil(2) * format.pair_bytes());
+    let (d, m) = scales.split_at_mut(2 * nb);
+    for (b, block) in source.chunks_exact(block_bytes).enumerate() {
+        let pair = &mut quants[b / 2 * format.pair_bytes()..][..format.pair_bytes()];
+        let h = b % 2;
+        d[2 * b..2 * b + 2].copy_from_slice(&block[..2]);
+        match format {
+            Format::Q4_1 => {
+                m[2 * b..2 * b + 2].copy_from_slice(&block[2..4]);
+                pair[16 * h..16 * h + 16].copy_from_slice(&block[4..Q4_1_BYTES]);
+            }
+            Format::Q8_0 => {
+                pair[16 * h..16 * h + 16].copy_from_slice(&block[2..18]);
+                pair[32 + 16 * h..32 + 16 * h + 16].copy_from_slice(&block[18..]);
+            }
+        }
+    }
+}
+
 /// A Q4_1 or Q8_0 weight matrix of shape (out, in), repacked for the kernels (module doc).
 #[derive(Clone, Debug)]
 pub struct QuantMatrix {
     format: Format,
     out: usize,
     k: usize,
-    bytes: Vec<u8>,
+    bytes: WeightBytes,
 }
 
 impl QuantMatrix {
@@ -153,37 +186,22 @@ impl QuantMatrix {
                 blocks.len()
             );
         }
-        let mut matrix = Self {
+        let nb = k / QK;
+        let row_bytes = row_bytes(format, nb);
+        let bytes = WeightBytes::new(out * row_bytes + SLACK, |bytes| {
+            for (source, row) in blocks
+                .chunks_exact(nb * block_bytes)
+                .zip(bytes.chunks_exact_mut(row_bytes))
+            {
+                repack_row(format, source, row);
+            }
+        });
+        Ok(Self {
             format,
             out,
             k,
-            bytes: Vec::new(),
-        };
-        let (nb, row_bytes) = (matrix.blocks_per_row(), matrix.row_bytes());
-        matrix.bytes = vec![0; out * row_bytes + SLACK];
-        for (source, row) in blocks
-            .chunks_exact(nb * block_bytes)
-            .zip(matrix.bytes.chunks_exact_mut(row_bytes))
-        {
-            let (quants, scales) = row.split_at_mut(nb.div_ceil(2) * format.pair_bytes());
-            let (d, m) = scales.split_at_mut(2 * nb);
-            for (b, block) in source.chunks_exact(block_bytes).enumerate() {
-                let pair = &mut quants[b / 2 * format.pair_bytes()..][..format.pair_bytes()];
-                let h = b % 2;
-                d[2 * b..2 * b + 2].copy_from_slice(&block[..2]);
-                match format {
-                    Format::Q4_1 => {
-                        m[2 * b..2 * b + 2].copy_from_slice(&block[2..4]);
-                        pair[16 * h..16 * h + 16].copy_from_slice(&block[4..Q4_1_BYTES]);
-                    }
-                    Format::Q8_0 => {
-                        pair[16 * h..16 * h + 16].copy_from_slice(&block[2..18]);
-                        pair[32 + 16 * h..32 + 16 * h + 16].copy_from_slice(&block[18..]);
-                    }
-                }
-            }
-        }
-        Ok(matrix)
+            bytes,
+        })
     }
 
     /// `(out, in)`.
@@ -201,8 +219,7 @@ impl QuantMatrix {
     }
 
     fn row_bytes(&self) -> usize {
-        let nb = self.blocks_per_row();
-        nb.div_ceil(2) * self.format.pair_bytes() + 2 * nb * self.format.scales_per_block()
+        row_bytes(self.format, self.blocks_per_row())
     }
 
     /// `x · qᵀ` for an `x` of shape (..., in), like candle's `QMatMul::forward`.
