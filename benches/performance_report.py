@@ -797,7 +797,20 @@ def machine():
     with open("/proc/meminfo") as f:
         mem = int(f.readline().split()[1]) / 1024 / 1024
     return (f"this machine ({cpu.get('model name', 'unknown CPU')}, family {cpu.get('cpu family', '?')} "
-            f"model {cpu.get('model', '?')}, flags {vector}; {os.cpu_count()} cores, {mem:.0f} GiB)")
+            f"model {cpu.get('model', '?')}, flags {vector}; {os.cpu_count()} cores, {mem:.0f} GiB; "
+            f"transparent huge pages {huge_pages_setting()})")
+
+
+def huge_pages_setting():
+    """The system's transparent huge pages setting (`always`, `madvise` or `never`): with `never`,
+    a quantised model's weights lie on small pages and its decode runs slower."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            setting = f.read()
+    except OSError:
+        return "unknown"
+    chosen = [word[1:-1] for word in setting.split() if word.startswith("[")]
+    return chosen[0] if chosen else "unknown"
 
 
 def package_versions(python, names):
