@@ -154,29 +154,31 @@ fn advise_huge_pages(base: NonNull<u8>, len: usize) {
 mod tests {
     use super::*;
 
-    /// Where the system backs memory that asks for it with transparent huge pages, a carved
-    /// weight's memory is backed by them once it is filled (read from the process's own memory
-    /// map). On a system set to `never`, or without them, there is nothing to check.
+    /// A carved weight's mapping carries the advice (`hg` in its `VmFlags`) wherever the kernel
+    /// has transparent huge pages, whatever the system's setting, and where the setting backs
+    /// memory that asks for them (`always` or `madvise`) the weight lies on them once filled;
+    /// both read from the process's own memory map. On a kernel without them there is nothing
+    /// to check.
     #[cfg(target_os = "linux")]
     #[test]
     fn carved_weights_lie_on_huge_pages_where_the_system_offers_them() {
-        let setting = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
-            .unwrap_or_default();
-        if !(setting.contains("[always]") || setting.contains("[madvise]")) {
-            eprintln!("transparent huge pages are off here ({setting:?}): nothing to check");
+        let Ok(setting) = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled")
+        else {
+            eprintln!("this kernel has no transparent huge pages: nothing to check");
             return;
-        }
+        };
         let weight = WeightBytes::new(2 * HUGE_PAGE, |bytes| bytes.fill(1));
         let at = weight.as_ptr() as usize;
         let maps = std::fs::read_to_string("/proc/self/smaps").expect("the process's memory map");
         // A mapping's lines start with its address range (`start-end`, in hex), then list its
-        // fields, `AnonHugePages` among them.
+        // fields, `AnonHugePages` and, last, `VmFlags` among them.
         let range = |token: &str| -> Option<Range<usize>> {
             let (start, end) = token.split_once('-')?;
             Some(usize::from_str_radix(start, 16).ok()?..usize::from_str_radix(end, 16).ok()?)
         };
         let mut inside = false;
         let mut huge_kb = None;
+        let mut flags = None;
         for line in maps.lines() {
             if let Some(mapping) = line.split_whitespace().next().and_then(range) {
                 inside = mapping.contains(&at);
@@ -187,10 +189,26 @@ mod tests {
                     .trim()
                     .parse::<usize>()
                     .ok();
+            } else if inside && let Some(value) = line.strip_prefix("VmFlags:") {
+                flags = Some(
+                    value
+                        .split_whitespace()
+                        .map(str::to_owned)
+                        .collect::<Vec<_>>(),
+                );
                 break;
             }
         }
-        let huge_kb = huge_kb.expect("the weight's mapping in /proc/self/smaps");
+        let flags = flags.expect("the weight's mapping in /proc/self/smaps");
+        assert!(
+            flags.iter().any(|f| f == "hg"),
+            "the weight's mapping did not ask for huge pages: flags {flags:?}"
+        );
+        if !(setting.contains("[always]") || setting.contains("[madvise]")) {
+            eprintln!("transparent huge pages are off here ({setting:?}): the advice is all");
+            return;
+        }
+        let huge_kb = huge_kb.expect("AnonHugePages in the weight's mapping");
         assert!(
             huge_kb >= HUGE_PAGE / 1024,
             "{huge_kb} kB of huge pages under the weight's mapping (setting {setting:?})"
