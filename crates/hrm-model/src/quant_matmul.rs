@@ -46,7 +46,9 @@
 //!   no faster on an AVX-512 Intel Xeon. One on this layout (two pairs per register, Q4_1 with
 //!   no shuffles) measured 0.9× the 256-bit VNNI kernel at batch 8 on a Zen 5 AMD EPYC
 //!   (family 26, model 2), whose 512-bit units are full width, and no faster at batch 1,
-//!   where the kernel waits for memory; so there is none.
+//!   where the kernel waits for memory; so there is none. Nor does one activation row go
+//!   against two weight rows at once (two chains of `fmadd`s in flight, the activations' loads
+//!   shared): that measured 0.86× the GGUF's batch-1 decode on an AVX2 Zen 3 AMD EPYC.
 //! - Outputs differ from candle's (f16 scales, another summation order) and from the exact
 //!   product by the activations' 8-bit rounding: at most `Σ_b (d_x,b / 2) · Σ|w_b|` plus f32
 //!   rounding, which the tests check.
