@@ -48,7 +48,8 @@
 //!   (family 26, model 2), whose 512-bit units are full width, and no faster at batch 1,
 //!   where the kernel waits for memory; so there is none. Nor does one activation row go
 //!   against two weight rows at once (two chains of `fmadd`s in flight, the activations' loads
-//!   shared): that measured 0.86× the GGUF's batch-1 decode on an AVX2 Zen 3 AMD EPYC.
+//!   shared): that measured 0.86× the GGUF's batch-1 decode on an AVX2-only Zen 3 AMD EPYC
+//!   (family 25, model 1).
 //! - Outputs differ from candle's (f16 scales, another summation order) and from the exact
 //!   product by the activations' 8-bit rounding: at most `Σ_b (d_x,b / 2) · Σ|w_b|` plus f32
 //!   rounding, which the tests check.
