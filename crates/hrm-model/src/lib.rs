@@ -38,6 +38,7 @@ pub use device::{DeviceRequest, select_device};
 pub use engine::{Engine, FinishReason, GenerateParams, Generation, TokenLogprob};
 pub use error::{Error, Result};
 pub use loader::{LoadedModel, load_model};
+pub use sampling::largest_logit;
 pub use tokenizer::TextTokenizer;
 
 use candle_core::{DType, Device, Tensor};

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::Context;
-use candle_core::{D, DType, Device};
+use candle_core::{DType, Device, Tensor};
 use clap::Args;
 use hrm_model::{ForwardBatch, Logits, SeqCache};
 use serde::{Deserialize, Serialize};
@@ -176,12 +176,7 @@ pub fn run_one(args: RunArgs) -> anyhow::Result<()> {
             &info.device,
             info.dtype,
         )?;
-        let mut next: Vec<u32> = model
-            .forward(&mut batch)?
-            .logits
-            .argmax(D::Minus1)?
-            .flatten_all()?
-            .to_vec1()?;
+        let mut next = greedy_tokens(model.forward(&mut batch)?.logits)?;
         drop(batch);
         let prefill = started.elapsed().as_secs_f64();
         let started = Instant::now();
@@ -196,12 +191,7 @@ pub fn run_one(args: RunArgs) -> anyhow::Result<()> {
                 &info.device,
                 info.dtype,
             )?;
-            next = model
-                .forward(&mut batch)?
-                .logits
-                .argmax(D::Minus1)?
-                .flatten_all()?
-                .to_vec1()?;
+            next = greedy_tokens(model.forward(&mut batch)?.logits)?;
         }
         Ok((prefill, started.elapsed().as_secs_f64()))
     };
@@ -218,6 +208,15 @@ pub fn run_one(args: RunArgs) -> anyhow::Result<()> {
     };
     println!("{}", serde_json::to_string(&result)?);
     Ok(())
+}
+
+/// Each sequence's next token from the last position's logits (`[batch, 1, vocab]`), chosen as
+/// `hrm serve` chooses a greedy one.
+fn greedy_tokens(logits: Tensor) -> anyhow::Result<Vec<u32>> {
+    let logits = logits.squeeze(1)?;
+    (0..logits.dim(0)?)
+        .map(|i| Ok(hrm_model::largest_logit(&logits.get(i)?)?))
+        .collect()
 }
 
 fn peak_rss_mb() -> anyhow::Result<f64> {
