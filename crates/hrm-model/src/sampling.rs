@@ -2,6 +2,8 @@
 //! cut to the nucleus (top-p) when asked. Each sequence owns its sampler, so a seed gives the
 //! same tokens whatever else shares the batch.
 
+use std::cmp::Ordering::Less;
+
 use candle_core::{D, DType, Tensor};
 use rand::SeedableRng;
 use rand::distr::Distribution;
@@ -102,17 +104,33 @@ pub fn largest_logit(logits: &Tensor) -> Result<u32> {
 
 /// Zeroes every weight outside the likeliest tokens whose share of the total first reaches `p`;
 /// the likeliest token always stays.
+///
+/// The tokens are taken likeliest first, ties in index order (the order of a stable sort by
+/// weight, and the same sums in the same order), but only as far as the nucleus reaches: each
+/// round picks out the next, twice as large, run of them (`select_nth_unstable_by`, linear) and
+/// sorts that run alone. Sorting the whole vocabulary took about 2 ms a token over 49,152
+/// weights, as long as a small model's decode step, where a nucleus of a hundred tokens is
+/// picked out in about a fifth of that.
 fn keep_nucleus(weights: &mut [f32], p: f32) {
     let budget = p * weights.iter().sum::<f32>();
+    let likelier = |a: &usize, b: &usize| weights[*b].total_cmp(&weights[*a]).then(a.cmp(b));
     let mut order: Vec<usize> = (0..weights.len()).collect();
-    order.sort_by(|&a, &b| weights[b].total_cmp(&weights[a]));
-    let mut kept = 0.0;
-    for index in order {
-        if kept >= budget {
-            weights[index] = 0.0;
-        } else {
-            kept += weights[index];
+    let (mut taken, mut sorted, mut kept) = (0, 0, 0.0);
+    // Short of the budget, or not comparable with it (NaN weights): every token stays then.
+    while taken < order.len() && matches!(kept.partial_cmp(&budget), Some(Less) | None) {
+        if taken == sorted {
+            let end = (sorted.max(32) * 2).min(order.len());
+            if end < order.len() {
+                order[sorted..].select_nth_unstable_by(end - sorted - 1, likelier);
+            }
+            order[sorted..end].sort_unstable_by(likelier);
+            sorted = end;
         }
+        kept += weights[order[taken]];
+        taken += 1;
+    }
+    for &index in &order[taken..] {
+        weights[index] = 0.0;
     }
 }
 
@@ -198,6 +216,53 @@ mod tests {
         let mut again = Sampler::draw(42, 1.0, 1.0);
         let repeated: Vec<u32> = (0..4000).map(|_| again.sample(&logits).unwrap()).collect();
         assert_eq!(draws, repeated);
+    }
+
+    /// Against the definition: every token in a stable sort by weight, likeliest first, kept
+    /// while the sum of those before it is short of `p` of the total.
+    #[test]
+    fn the_nucleus_is_the_one_a_full_sort_gives() {
+        let by_full_sort = |weights: &mut [f32], p: f32| {
+            let budget = p * weights.iter().sum::<f32>();
+            let mut order: Vec<usize> = (0..weights.len()).collect();
+            order.sort_by(|&a, &b| weights[b].total_cmp(&weights[a]));
+            let mut kept = 0.0;
+            for index in order {
+                if kept >= budget {
+                    weights[index] = 0.0;
+                } else {
+                    kept += weights[index];
+                }
+            }
+        };
+        let mut rng = StdRng::seed_from_u64(11);
+        for (case, len) in [1, 2, 31, 64, 65, 200, 49_152].into_iter().enumerate() {
+            for p in [0.0, 0.1, 0.5, 0.9, 0.95, 0.999, 1.0] {
+                // Peaked (a small nucleus), flat (a large one), and few distinct values (ties).
+                for shape in 0..3 {
+                    let weights: Vec<f32> = (0..len)
+                        .map(|_| match shape {
+                            0 => (25.0 * rng.random::<f32>().powi(40)).exp(),
+                            1 => rng.random_range(0.0..1.0),
+                            _ => rng.random_range(0..3) as f32,
+                        })
+                        .collect();
+                    let mut weights = weights;
+                    if case == 3 && shape == 1 {
+                        weights[7] = f32::NAN;
+                    }
+                    let (mut ours, mut expected) = (weights.clone(), weights);
+                    keep_nucleus(&mut ours, p);
+                    by_full_sort(&mut expected, p);
+                    let bits = |w: &[f32]| w.iter().map(|w| w.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&ours),
+                        bits(&expected),
+                        "case {case}, length {len}, p {p}, shape {shape}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
