@@ -68,7 +68,7 @@ impl Sampler {
 /// The greedy token of one row of logits (`[vocab]`): the index of the first largest, as candle's
 /// `argmax` picks it, NaNs included (one at index 0 wins; elsewhere a NaN is never the largest).
 /// On the CPU, candle compares one logit after another, each waiting for the last, which cost
-/// 1.5–2% of a GGUF model's decode step over a 49,152-token vocabulary on a 2-core Intel Xeon
+/// 1.6–2.2% of a GGUF model's decode step over a 49,152-token vocabulary on a 2-core Intel Xeon
 /// (family 6 model 207, AVX-512); sixteen lanes of maxima, which the compiler makes vector
 /// instructions, then one pass for the first equal logit, pick the same index. Logits on a GPU
 /// stay there for candle's own `argmax`.
