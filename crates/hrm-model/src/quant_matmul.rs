@@ -55,10 +55,11 @@
 //!   (family 25, model 1).
 //! - Two chains within one weight row pay for Q8_0 only. On that Zen 3, a Q8_0 pair carries
 //!   twice Q4_1's quants for one `fmadd`, and alternating its pairs between two sets of lanes
-//!   made SmolLM2's output head (49,152 × 576) 1.39× faster for one activation row and 1.13×
-//!   for eight. Q4_1's layers ran no faster for one row and at 0.77–0.90× for eight: a tile
-//!   of four rows' second lanes, beside its minimums' and its scales, no longer fit the
-//!   sixteen registers.
+//!   made SmolLM2's output head (49,152 × 576) 1.39× faster for one activation row in the
+//!   kernel bench (where much of its 30 MB stays in the L3 between calls) and 1.13× for eight,
+//!   and the GGUF's batch-1 decode 1.04×. Q4_1's layers ran no faster for one row and at
+//!   0.77–0.90× for eight: a tile of four rows' second lanes, beside its minimums' and its
+//!   scales, no longer fit the sixteen registers.
 //! - Outputs differ from candle's (f16 scales, another summation order) and from the exact
 //!   product by the activations' 8-bit rounding: at most `Σ_b (d_x,b / 2) · Σ|w_b|` plus f32
 //!   rounding, which the tests check.
