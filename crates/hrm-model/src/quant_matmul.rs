@@ -59,7 +59,10 @@
 //!   kernel bench (where much of its 30 MB stays in the L3 between calls) and 1.13× for eight,
 //!   and the GGUF's batch-1 decode 1.04×. Q4_1's layers ran no faster for one row and at
 //!   0.77–0.90× for eight: a tile of four rows' second lanes, beside its minimums' and its
-//!   scales, no longer fit the sixteen registers.
+//!   scales, no longer fit the sixteen registers. On an Intel Xeon with VNNI (family 6, model
+//!   167) the same order left both GGUF decode steps as they were (1.00× at batch 1, 1.02× at
+//!   batch 8), though the head's kernel alone ran 0.87× for eight rows, whose tile then spills;
+//!   every kernel keeps the one order, as the first invariant requires.
 //! - Outputs differ from candle's (f16 scales, another summation order) and from the exact
 //!   product by the activations' 8-bit rounding: at most `Σ_b (d_x,b / 2) · Σ|w_b|` plus f32
 //!   rounding, which the tests check.
