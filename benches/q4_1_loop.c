@@ -1,7 +1,7 @@
 /*
  * The inner loop of the Q4_1 kernel in crates/hrm-model/src/quant_matmul.rs (AVX2, one
  * activation row), copied in C to time its arithmetic alone: weight rows that stay in the L1,
- * one thread, no thread team, no memory traffic. docs/performance.md ("Machine A on
+ * one thread, no thread team, no memory traffic, and so none of the kernel's prefetches. docs/performance.md ("Machine A on
  * 2026-12-04") gives what it measured on a Zen 3 core, on whose VM `perf stat` has no counters.
  *
  *     gcc -O2 -mavx2 -mfma -mf16c benches/q4_1_loop.c -o /tmp/q4_1_loop
