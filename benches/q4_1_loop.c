@@ -1,8 +1,9 @@
 /*
  * The inner loop of the Q4_1 kernel in crates/hrm-model/src/quant_matmul.rs (AVX2, one
  * activation row), copied in C to time its arithmetic alone: weight rows that stay in the L1,
- * one thread, no thread team, no memory traffic, and so none of the kernel's prefetches. docs/performance.md ("Machine A on
- * 2026-12-04") gives what it measured on a Zen 3 core, on whose VM `perf stat` has no counters.
+ * one thread, no thread team, no memory traffic, and so none of the kernel's prefetches.
+ * docs/performance.md ("Machine A on 2026-12-04") gives what it measured on a Zen 3 core, on
+ * whose VM `perf stat` has no counters.
  *
  *     gcc -O2 -mavx2 -mfma -mf16c benches/q4_1_loop.c -o /tmp/q4_1_loop
  *     /tmp/q4_1_loop 18      # blocks a row: 18 for SmolLM2's qkv, o and gate_up; 48 for down
@@ -58,8 +59,8 @@ static inline __attribute__((always_inline)) void group(const uint8_t *row, int 
     const uint8_t *scales = row + nb / 2 * 32;
     /* A short group's scales run on into the minimums or the next row: the kernel clears the
      * lanes past the row's blocks, and so does this copy. */
-    __m256 kept = _mm256_castsi256_ps(
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * pairs), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+    __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 kept = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(2 * pairs), lane));
     __m256 d_w = _mm256_and_ps(
         kept, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 2 * g))));
     __m256 dd = _mm256_mul_ps(d_w, _mm256_loadu_ps(act_scales + g));
