@@ -1,9 +1,11 @@
 /*
  * The inner loop of the Q4_1 kernel in crates/hrm-model/src/quant_matmul.rs (AVX2, one
  * activation row), copied in C to time its arithmetic alone: weight rows that stay in the L1,
- * one thread, no thread team, no memory traffic, and so none of the kernel's prefetches.
- * docs/performance.md ("Machine A on 2026-12-04") gives what it measured on a Zen 3 core, on
- * whose VM `perf stat` has no counters.
+ * one thread, no thread team, no memory traffic, and so none of the kernel's prefetches. Only
+ * the AVX2 form: on CPUs with AVX-512 VNNI the kernel runs `vpdpbusd` instead, which this copy
+ * leaves out. docs/performance.md gives what it measured on a Zen 3 core, on whose VM `perf
+ * stat` has no counters ("Machine A on 2026-12-04"), and on a Zen 5 ("The Zen 5 on
+ * 2026-12-04").
  *
  *     gcc -O2 -mavx2 -mfma -mf16c benches/q4_1_loop.c -o /tmp/q4_1_loop
  *     /tmp/q4_1_loop 18      # blocks a row: 18 for SmolLM2's qkv, o and gate_up; 48 for down
