@@ -827,35 +827,96 @@ macro_rules! byte_dot_kernel {
                 out: &mut [f32; R],
             ) {
                 let nb = layout.nb;
-                let pair_bytes = layout.format.pair_bytes();
                 assert!(
                     w.len() >= layout.bytes + super::SLACK,
                     "quantised matmul: row"
                 );
-                // The lanes of the group's scales that pair `i` of it spreads over its eight
-                // lane sums: block 2i over the first four, block 2i + 1 over the rest.
-                let spread: [__m256i; SCALE_GROUP / 2] = std::array::from_fn(|i| {
-                    let (a, b) = (2 * i as i32, 2 * i as i32 + 1);
-                    _mm256_setr_epi32(a, a, a, a, b, b, b, b)
-                });
                 let row = w.as_ptr();
+                let mut lanes = Lanes::<R>::new();
+                // Whole groups with a fixed count, so that their pairs unroll without checks.
+                let whole = nb / SCALE_GROUP * SCALE_GROUP;
+                for g in (0..whole).step_by(SCALE_GROUP) {
+                    // SAFETY: the asserts here and in `dot_rows`, as `group` requires; this
+                    // function's features are the ones `group` runs on once inlined here.
+                    unsafe { group::<Q4_1, R>(layout, row, xs, g, SCALE_GROUP, &mut lanes) };
+                }
+                if whole < nb {
+                    // SAFETY: as above.
+                    unsafe { group::<Q4_1, R>(layout, row, xs, whole, nb - whole, &mut lanes) };
+                }
+                let Lanes { acc, acc_odd, min } = lanes;
+                for r in 0..R {
+                    out[r] = if Q4_1 {
+                        sum_lanes(acc[r]) + sum_lanes(min[r])
+                    } else {
+                        sum_lanes(_mm256_add_ps(acc[r], acc_odd[r]))
+                    };
+                }
+            }
+
+            /// A row's running lane sums against `R` activation rows.
+            struct Lanes<const R: usize> {
+                acc: [__m256; R],
+                /// Q8_0's odd pairs (module doc).
+                acc_odd: [__m256; R],
+                min: [__m256; R],
+            }
+
+            impl<const R: usize> Lanes<R> {
+                #[inline(always)]
+                fn new() -> Self {
+                    // SAFETY: only `dot_row`, whose features include AVX, makes one, and this
+                    // is always inlined there.
+                    let zero = unsafe { _mm256_setzero_ps() };
+                    Self {
+                        acc: [zero; R],
+                        acc_odd: [zero; R],
+                        min: [zero; R],
+                    }
+                }
+            }
+
+            /// The `blocks` blocks of the row at `row` from block `g` (a multiple of
+            /// [`SCALE_GROUP`]) added into `lanes`.
+            ///
+            /// Always inlined into [`dot_row`], whose features it then runs on. Written as a
+            /// closure there, it was left out of line by LLVM in some of the kernels for a
+            /// row's last, short group (SmolLM2's rows of 18 blocks end in one of 2), which then
+            /// passed the accumulators through memory.
+            ///
+            /// # Safety
+            /// Called only from [`dot_row`], after its and [`dot_rows`]' asserts, with
+            /// `blocks ≤ SCALE_GROUP` and `g + blocks ≤ layout.nb`.
+            #[inline(always)]
+            unsafe fn group<const Q4_1: bool, const R: usize>(
+                layout: RowLayout,
+                row: *const u8,
+                xs: &[ActRow; R],
+                g: usize,
+                blocks: usize,
+                lanes: &mut Lanes<R>,
+            ) {
+                let nb = layout.nb;
+                let pair_bytes = layout.format.pair_bytes();
                 let scales = row.wrapping_add(layout.scales_at());
-                let mut acc = [_mm256_setzero_ps(); R];
-                // Q8_0's odd pairs (module doc).
-                let mut acc_odd = [_mm256_setzero_ps(); R];
-                let mut min = [_mm256_setzero_ps(); R];
-                // SAFETY (every read below): the asserts here and in `dot_rows`; a scale group
-                // cut short at a row's end reads on into the row's minimums, the next row or the
-                // slack, and `halves` clears those lanes; activation scales and sums are padded
-                // to whole groups, and quants to whole pairs.
-                let mut group = |g: usize, blocks: usize| unsafe {
+                // SAFETY (every read below): the caller's; a scale group cut short at a row's
+                // end reads on into the row's minimums, the next row or the slack, and `halves`
+                // clears those lanes; activation scales and sums are padded to whole groups, and
+                // quants to whole pairs.
+                unsafe {
+                    // The lanes of the group's scales that pair `i` of it spreads over its
+                    // eight lane sums: block 2i over the first four, block 2i + 1 over the rest.
+                    let spread: [__m256i; SCALE_GROUP / 2] = std::array::from_fn(|i| {
+                        let (a, b) = (2 * i as i32, 2 * i as i32 + 1);
+                        _mm256_setr_epi32(a, a, a, a, b, b, b, b)
+                    });
                     let d_x = xs.map(|x| _mm256_loadu_ps(x.d.as_ptr().add(g)));
                     let d_w = halves(scales.add(2 * g), blocks);
                     let dd = d_x.map(|d_x| _mm256_mul_ps(d_w, d_x));
                     if Q4_1 {
                         let s_x = xs.map(|x| _mm256_loadu_ps(x.s.as_ptr().add(g)));
                         let m_w = halves(scales.add(2 * nb + 2 * g), blocks);
-                        for (min, s_x) in min.iter_mut().zip(s_x) {
+                        for (min, s_x) in lanes.min.iter_mut().zip(s_x) {
                             *min = _mm256_fmadd_ps(m_w, s_x, *min);
                         }
                     }
@@ -884,27 +945,12 @@ macro_rules! byte_dot_kernel {
                             });
                             let scale = _mm256_permutevar8x32_ps(dd[r], *spread);
                             if Q4_1 || p % 2 == 0 {
-                                acc[r] = _mm256_fmadd_ps(scale, sums, acc[r]);
+                                lanes.acc[r] = _mm256_fmadd_ps(scale, sums, lanes.acc[r]);
                             } else {
-                                acc_odd[r] = _mm256_fmadd_ps(scale, sums, acc_odd[r]);
+                                lanes.acc_odd[r] = _mm256_fmadd_ps(scale, sums, lanes.acc_odd[r]);
                             }
                         }
                     }
-                };
-                // Whole groups with a fixed count, so that their pairs unroll without checks.
-                let whole = nb / SCALE_GROUP * SCALE_GROUP;
-                for g in (0..whole).step_by(SCALE_GROUP) {
-                    group(g, SCALE_GROUP);
-                }
-                if whole < nb {
-                    group(whole, nb - whole);
-                }
-                for r in 0..R {
-                    out[r] = if Q4_1 {
-                        sum_lanes(acc[r]) + sum_lanes(min[r])
-                    } else {
-                        sum_lanes(_mm256_add_ps(acc[r], acc_odd[r]))
-                    };
                 }
             }
         }
