@@ -832,7 +832,12 @@ macro_rules! byte_dot_kernel {
                     "quantised matmul: row"
                 );
                 let row = w.as_ptr();
-                let mut lanes = Lanes::<R>::new();
+                let zero = _mm256_setzero_ps();
+                let mut lanes = Lanes {
+                    acc: [zero; R],
+                    acc_odd: [zero; R],
+                    min: [zero; R],
+                };
                 // Whole groups with a fixed count, so that their pairs unroll without checks.
                 let whole = nb / SCALE_GROUP * SCALE_GROUP;
                 for g in (0..whole).step_by(SCALE_GROUP) {
@@ -860,20 +865,6 @@ macro_rules! byte_dot_kernel {
                 /// Q8_0's odd pairs (module doc).
                 acc_odd: [__m256; R],
                 min: [__m256; R],
-            }
-
-            impl<const R: usize> Lanes<R> {
-                #[inline(always)]
-                fn new() -> Self {
-                    // SAFETY: only `dot_row`, whose features include AVX, makes one, and this
-                    // is always inlined there.
-                    let zero = unsafe { _mm256_setzero_ps() };
-                    Self {
-                        acc: [zero; R],
-                        acc_odd: [zero; R],
-                        min: [zero; R],
-                    }
-                }
             }
 
             /// The `blocks` blocks of the row at `row` from block `g` (a multiple of
