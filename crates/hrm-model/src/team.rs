@@ -12,8 +12,11 @@
 //!
 //! Workers finish their parts in any order. They write disjoint elements of one output through
 //! relaxed atomics (a plain store on x86), disjoint runs of chunks each behind its own
-//! uncontended lock, or set-once slots; none of it needs `unsafe`.
+//! uncontended lock, or set-once slots. A single row's grains, the hot path of a batch-1
+//! decode step, are written through a shared pointer instead, which is sound because every
+//! grain goes to exactly one thread ([`Run`]).
 
+use std::cell::Cell;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
@@ -60,15 +63,34 @@ pub(crate) fn columns_in_parallel(
 fn row_in_parallel(n: usize, fill: impl Fn(Range<usize>, &mut [f32]) + Sync) -> Vec<f32> {
     let mut out = vec![0f32; n];
     let grain = n.div_ceil(threads() * GRAINS_PER_THREAD).max(1);
-    // Each grain is claimed exactly once, so its lock is never contended: it only hands the
-    // claimant its slice of the output.
-    let grains: Vec<Mutex<&mut [f32]>> = out.chunks_mut(grain).map(Mutex::new).collect();
-    grains_in_parallel(grains.len(), |g| {
-        let mut slice = grains[g].lock().unwrap_or_else(PoisonError::into_inner);
-        fill(g * grain..g * grain + slice.len(), &mut slice);
+    let row = SharedRow(out.as_mut_ptr());
+    grains_in_parallel(n.div_ceil(grain), |g| {
+        let columns = g * grain..n.min((g + 1) * grain);
+        // SAFETY: `columns` lies within `out`, which outlives the call and is not otherwise
+        // touched during it; `grains_in_parallel` gives each grain to exactly one call, so no
+        // two live slices overlap.
+        let slice = unsafe { std::slice::from_raw_parts_mut(row.at(columns.start), columns.len()) };
+        fill(columns, slice);
     });
-    drop(grains);
     out
+}
+
+/// The start of a row that the team's threads write in disjoint grains. A lock per grain
+/// (uncontended, but two locked instructions per grain, on lines the calling thread had just
+/// written) took about two fifths of the grain loop's own time in a batch-1 GGUF step
+/// (docs/performance.md).
+struct SharedRow(*mut f32);
+
+// SAFETY: the threads only write through the pointer in `row_in_parallel`, each to the grains
+// it alone claimed.
+unsafe impl Sync for SharedRow {}
+
+impl SharedRow {
+    /// The pointer `offset` values in. A method, so that closures capture the whole `Sync`
+    /// struct rather than its raw pointer.
+    fn at(&self, offset: usize) -> *mut f32 {
+        self.0.wrapping_add(offset)
+    }
 }
 
 /// `work(g)` once for every grain `g` in `0..count`, in parallel: each thread owns an equal run
@@ -79,9 +101,9 @@ fn row_in_parallel(n: usize, fill: impl Fn(Range<usize>, &mut [f32]) + Sync) -> 
 /// cut each thread's stream into pieces (docs/performance.md measures both).
 fn grains_in_parallel(count: usize, work: impl Fn(usize) + Sync) {
     let threads = threads();
-    let runs: Vec<Run> = (0..threads)
-        .map(|t| Run::new(t * count / threads, (t + 1) * count / threads))
-        .collect();
+    let mut runs = SPARE_RUNS.take();
+    runs.clear();
+    runs.extend((0..threads).map(|t| Run::new(t * count / threads, (t + 1) * count / threads)));
     // One item per run: whichever thread takes an item works that run from the front, then
     // helps the others from their backs. A thread that takes two items (its partner started
     // late) works both, and nested calls run every item on the calling thread.
@@ -97,11 +119,18 @@ fn grains_in_parallel(count: usize, work: impl Fn(usize) + Sync) {
             }
         }
     });
+    SPARE_RUNS.set(runs);
 }
 
 /// The team's threads, the calling thread included.
 fn threads() -> usize {
     candle_core::utils::barrier_pool().n_workers() + 1
+}
+
+thread_local! {
+    /// The runs of this thread's last [`grains_in_parallel`], kept for its next: runs aligned
+    /// to 128 bytes go through glibc's aligned allocation, a slow path, at every product.
+    static SPARE_RUNS: Cell<Vec<Run>> = const { Cell::new(Vec::new()) };
 }
 
 /// Grains per thread in [`grains_in_parallel`]: enough that the last one taken is a small part
