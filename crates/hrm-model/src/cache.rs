@@ -288,7 +288,7 @@ enum Part {
 
 /// A value a cache buffer holds: f32, or f16 (a GGUF model's cache on the CPU).
 trait CacheValue: candle_core::WithDType {
-    /// `x` rounded to this dtype as `Tensor::to_dtype` rounds.
+    /// `x` rounded to this dtype as `Tensor::to_dtype` rounds (to nearest, ties to even).
     fn rounded(x: f32) -> Self;
 
     /// `x` into `out`, rounded.
@@ -308,6 +308,14 @@ impl CacheValue for f32 {
 impl CacheValue for half::f16 {
     fn rounded(x: f32) -> half::f16 {
         half::f16::from_f32(x)
+    }
+
+    /// Eight values an instruction where the CPU has F16C (`half` asks at run time), where
+    /// `rounded` costs a call and a feature check for each value.
+    fn store(out: &mut [half::f16], x: &[f32]) {
+        use half::slice::HalfFloatSliceExt;
+        let n = out.len().min(x.len());
+        out[..n].convert_from_f32_slice(&x[..n]);
     }
 }
 
