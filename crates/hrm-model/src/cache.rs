@@ -339,6 +339,8 @@ fn filled_buffer<T: CacheValue>(
         capacity * d,
         |h, head| {
             let (written, rest) = head.split_at_mut(new * d);
+            // Value by value, not by `CacheValue::store`: these values are not yet initialised,
+            // which `half`'s slice conversion cannot write into (docs/performance.md weighs it).
             rows.each_position(h, part, |t, x| {
                 for (out, &x) in written[t * d..][..d].iter_mut().zip(x) {
                     out.write(T::rounded(x));
