@@ -4,20 +4,23 @@
  * one thread, no thread team, no memory traffic, and so none of the kernel's prefetches. Only
  * the AVX2 form: on CPUs with AVX-512 VNNI the kernel runs `vpdpbusd` instead, which this copy
  * leaves out. docs/performance.md gives what it measured on a Zen 3 core, on whose VM `perf
- * stat` has no counters ("Machine A on 2026-12-04"), and on a Zen 5 ("The Zen 5 on
- * 2026-12-04").
+ * stat` has no counters ("Machine A on 2026-12-04", and the group sums in "Machine A on
+ * 2026-12-05"), and on a Zen 5 ("The Zen 5 on 2026-12-04").
  *
  *     gcc -O2 -mavx2 -mfma -mf16c benches/q4_1_loop.c -o /tmp/q4_1_loop
  *     /tmp/q4_1_loop 18      # blocks a row: 18 for SmolLM2's qkv, o and gate_up; 48 for down
  *
- * For four variants of the loop it prints the nanoseconds and cycles (at the clock given as the
+ * For five variants of the loop it prints the nanoseconds and cycles (at the clock given as the
  * second argument, 2.85 GHz if none) a pair of blocks takes, and the weights read per second (40
  * bytes a pair: 32 of quants, 8 of scales and minimums), the best of seven timings each:
  *   cross-lane    each pair's scales spread with `vpermps`, as the kernel does;
  *   in-lane       each group's scales reordered once, each pair's spread with `vpermilps`;
  *   in-lane, two  the same with odd pairs in a second accumulator;
- *   no products   the integer products replaced by adds (wrong sums, the same loads).
- * The sums are printed so that the compiler keeps the work (the last variant's is wrong).
+ *   no products   the integer products replaced by adds (wrong sums, the same loads);
+ *   group sums    each group's four pairs of lane sums added, by unpacks and adds, into one
+ *                 register of its eight blocks' sums, then one convert, permute and `fmadd` a
+ *                 group instead of one a pair (the same products, summed in another order).
+ * The sums are printed so that the compiler keeps the work (the no-products variant's is wrong).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -48,7 +51,7 @@ static inline float sum_lanes(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-enum variant { CROSS_LANE, IN_LANE, IN_LANE_TWO, NO_PRODUCTS };
+enum variant { CROSS_LANE, IN_LANE, IN_LANE_TWO, NO_PRODUCTS, GROUP_SUMS };
 
 struct lanes {
     __m256 acc, odd, min;
@@ -71,6 +74,9 @@ static inline __attribute__((always_inline)) void group(const uint8_t *row, int 
     __m256 m_w = _mm256_and_ps(
         kept, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + 2 * nb + 2 * g))));
     l->min = _mm256_fmadd_ps(m_w, _mm256_loadu_ps(act_sums + g), l->min);
+    /* GROUP_SUMS: the group's pairs' lane sums, zero past a short group's last pair. */
+    __m256i pair_lanes[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(),
+                             _mm256_setzero_si256(), _mm256_setzero_si256()};
 #pragma GCC unroll 4
     for (int i = 0; i < pairs; i++) {
         int p = g / 2 + i;
@@ -85,6 +91,10 @@ static inline __attribute__((always_inline)) void group(const uint8_t *row, int 
                 : _mm256_madd_epi16(
                       _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1)),
                       ones);
+        if (v == GROUP_SUMS) {
+            pair_lanes[i] = pair_sums;
+            continue;
+        }
         __m256 sums = _mm256_cvtepi32_ps(pair_sums);
         __m256 scale;
         if (v == IN_LANE || v == IN_LANE_TWO) {
@@ -102,6 +112,21 @@ static inline __attribute__((always_inline)) void group(const uint8_t *row, int 
             l->odd = _mm256_fmadd_ps(scale, sums, l->odd);
         else
             l->acc = _mm256_fmadd_ps(scale, sums, l->acc);
+    }
+    if (v == GROUP_SUMS) {
+        /* Pair i holds block 2i in its low four lanes and 2i + 1 in its high four. Interleaving
+         * two pairs' lanes and adding halves each block's lanes, twice: the result holds blocks
+         * 0, 2, 4, 6 in its low half and 1, 3, 5, 7 in its high half, so the scales are
+         * permuted to match. */
+        __m256i *r = pair_lanes;
+        __m256i t0 =
+            _mm256_add_epi32(_mm256_unpacklo_epi32(r[0], r[1]), _mm256_unpackhi_epi32(r[0], r[1]));
+        __m256i t1 =
+            _mm256_add_epi32(_mm256_unpacklo_epi32(r[2], r[3]), _mm256_unpackhi_epi32(r[2], r[3]));
+        __m256i blocks =
+            _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+        __m256 scales = _mm256_permutevar8x32_ps(dd, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+        l->acc = _mm256_fmadd_ps(scales, _mm256_cvtepi32_ps(blocks), l->acc);
     }
 }
 
@@ -124,6 +149,7 @@ ROWS_FN(cross_lane, CROSS_LANE)
 ROWS_FN(in_lane, IN_LANE)
 ROWS_FN(in_lane_two, IN_LANE_TWO)
 ROWS_FN(no_products, NO_PRODUCTS)
+ROWS_FN(group_sums, GROUP_SUMS)
 
 static void time_variant(const char *name, float (*rows_fn)(int), int rows, double ghz) {
     long reps = 20000000L / (rows * nb);
@@ -164,5 +190,6 @@ int main(int argc, char **argv) {
     time_variant("in-lane", in_lane, rows, ghz);
     time_variant("in-lane, two", in_lane_two, rows, ghz);
     time_variant("no products", no_products, rows, ghz);
+    time_variant("group sums", group_sums, rows, ghz);
     return 0;
 }
