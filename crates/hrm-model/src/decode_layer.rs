@@ -487,8 +487,8 @@ mod tests {
     /// Decode steps on raw buffers give the general path's hidden states bit for bit, step after
     /// step, so the keys and values they appended (which every later step reads) are its bits
     /// too: for a GGUF's block, HRM-Text's and a Llama checkpoint's, on f16 and f32 caches, for
-    /// rows of different lengths, and for a row joining with an empty cache beside rows that
-    /// have one.
+    /// one row and for several of different lengths, and for a row joining with an empty cache
+    /// beside rows that have one.
     #[test]
     fn decode_steps_match_the_general_path_bit_for_bit() {
         let blocks = [
@@ -507,10 +507,10 @@ mod tests {
                     let (_, took) = pass(&layer, &rotary, &mut caches[..2], &[3, 70], true, 0.0);
                     assert!(!took, "a prompt's pass is not a decode step");
                 }
-                for step in 0..4 {
+                // One row first (a batch-1 step's products write their row in place), then
+                // two; from the third step on, a third row joins with nothing cached.
+                for (step, rows) in [1, 2, 3, 3].into_iter().enumerate() {
                     let seed = 1.0 + step as f64;
-                    // From the third step on, a third row joins with nothing cached.
-                    let rows = if step < 2 { 2 } else { 3 };
                     let tokens = vec![1; rows];
                     let (want, _) =
                         pass(&layer, &rotary, &mut general[..rows], &tokens, false, seed);
