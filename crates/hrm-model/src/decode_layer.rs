@@ -507,8 +507,9 @@ mod tests {
                     let (_, took) = pass(&layer, &rotary, &mut caches[..2], &[3, 70], true, 0.0);
                     assert!(!took, "a prompt's pass is not a decode step");
                 }
-                // One row first (the step of a lone request), then two; from the third step
-                // on, a third row joins with nothing cached.
+                // One row first (the step of a lone request, which the general path runs
+                // without a mask), then two; from the third step on, a third row joins with
+                // nothing cached.
                 for (step, rows) in [1, 2, 3, 3].into_iter().enumerate() {
                     let seed = 1.0 + step as f64;
                     let tokens = vec![1; rows];
