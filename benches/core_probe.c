@@ -13,10 +13,10 @@
  * `clock` times 2e9 steps of four dependent integer adds (one cycle each) on cpu 0. `peak` runs
  * each width on cpu 0 alone, then on both cpus at once, and prints GFLOP/s (two FLOP an FMA
  * lane). Its 512-bit form needs AVX-512F; on other CPUs only the 256-bit line is printed. `pair`
- * alternates, round after round, 20,000 hand-offs of one cache line (each core
- * waits for the other's store before its own) and a sum of one 256 MiB half of a buffer on each
- * core, so that each round's two figures come from the same second. The sum is the bandwidth
- * bound's kind of read (benches/performance_report.py times `torch`'s sum), not a copy of it.
+ * alternates, round after round, 20,000 hand-offs of one cache line (each core waits for the
+ * other's store before its own) and an AVX2 sum of one 256 MiB half of a buffer on each core, so
+ * that each round's two figures come from the same second. The sum is the bandwidth bound's kind
+ * of read (benches/performance_report.py times `torch`'s sum), not a copy of it.
  */
 #define _GNU_SOURCE
 #include <immintrin.h>
