@@ -16,7 +16,8 @@
  * alternates, round after round, 20,000 hand-offs of one cache line (each core waits for the
  * other's store before its own) and an AVX2 sum of one 256 MiB half of a buffer on each core, so
  * that each round's two figures come from the same second. The sum is the bandwidth bound's kind
- * of read (benches/performance_report.py times `torch`'s sum), not a copy of it.
+ * of read (benches/performance_report.py times `torch`'s sum), not a copy of it. The report's
+ * bandwidth part builds this file and runs `pair 1` just before and after each round's decode.
  */
 #define _GNU_SOURCE
 #include <immintrin.h>

@@ -19,7 +19,9 @@ from --out):
                 aggregate`'s single-threaded "read once" pass, a numpy sum and a torch sum on
                 --threads threads, so that the bound stays a bound; --bandwidth-rounds rounds
                 of the bound and the decode runs back to back, each round's fraction against
-                its own bound.
+                its own bound; where a C compiler is found, each round's decode is bracketed
+                by a cache line's round trip between cores 0 and 1 (benches/core_probe.c), which
+                tells a VM whose two cores share a core complex from one whose cores do not.
   rps           requests/s of `hrm serve` on models/sample at batch 8 (8 clients, 16 tokens each,
                 --rps-seconds) against the specification's target of 10.
   quality       models/sample (hrm_text), models/sample-moe (hrm_text_moe) and
@@ -373,6 +375,29 @@ def measure_bandwidth(ctx, round_):
     return result
 
 
+def build_core_probe(ctx):
+    """benches/core_probe.c built into the work directory, or None where it cannot be (no C
+    compiler, not x86_64, fewer than two CPUs to pin)."""
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if not compiler or os.uname().machine != "x86_64" or (os.cpu_count() or 1) < 2:
+        return None
+    probe = os.path.join(ctx.work, "core_probe")
+    try:
+        ctx.run([compiler, "-O2", "-pthread", "benches/core_probe.c", "-o", probe], "core-probe-build")
+    except RuntimeError as e:
+        log(f"  core_probe not built: {e}")
+        return None
+    return probe
+
+
+def core_distance(ctx, probe, name):
+    """One round of `core_probe pair 1`: a cache line's round trip between cores 0 and 1 (ns)
+    and what both cores read together (GB/s) in the same second."""
+    out = ctx.run([probe, "pair", "1"], name)
+    match = re.search(r"round trip (\d+) ns, both cores read ([\d.]+) GB/s", out)
+    return {"round_trip_ns": int(match.group(1)), "read_gb_s": float(match.group(2))}
+
+
 def bandwidth_fraction(ctx, gguf_result):
     """Batch-1 decode tokens/s against bandwidth / bytes per token, for models/sample and the GGUF.
 
@@ -381,10 +406,15 @@ def bandwidth_fraction(ctx, gguf_result):
     over its own bound, and the table gives the median fraction and its range."""
     models = ["models/sample", ctx.args.gguf]
     infos = {model: dry_run(ctx, model) for model in models}
+    probe = build_core_probe(ctx)
     rounds = []
     for i in range(ctx.args.bandwidth_rounds):
         bandwidth = measure_bandwidth(ctx, i)
+        if probe:
+            bandwidth["cores_before_decode"] = core_distance(ctx, probe, f"core-probe-{i}-before")
         speed = bench_model(ctx, f"bandwidth-decode-{i}", models, [1], rounds=1)
+        if probe:
+            bandwidth["cores_after_decode"] = core_distance(ctx, probe, f"core-probe-{i}-after")
         rounds.append({"bandwidth": bandwidth, "command": speed["command"],
                        "decode": {row["model"]: row["decode_hrm"] for row in speed["rows"]}})
     bound_gb_s = median_bound(r["bandwidth"] for r in rounds)
@@ -658,6 +688,7 @@ def md_bandwidth(r):
                   "range in brackets, beside the median decode rate. The server rows are ab's output tok/s at "
                   "concurrency 1 from earlier in the run (prefill and HTTP included), against the median bound, so "
                   "they understate decode."),
+             *cores_sentence(rounds),
              "| model | format | measured | MB per token | bound tok/s | decode tok/s | fraction of bound |",
              "|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
@@ -668,6 +699,19 @@ def md_bandwidth(r):
         lines.append(f"| {row['model']} | {row['format']} | {row['side']} | {row['weight_bytes_per_token'] / 1e6:.1f} | "
                      f"{row['bound_tok_s']:.0f} | {fmt(row['decode_tok_s'])} | {fraction} |")
     return "\n".join(lines) + "\n"
+
+
+def cores_sentence(rounds):
+    """The rounds' core round trips as a paragraph, where the run measured them."""
+    pairs = [(b.get("cores_before_decode"), b.get("cores_after_decode")) for b in rounds]
+    if not all(before and after for before, after in pairs):
+        return []
+    each = ", ".join(f"{before['round_trip_ns']}/{after['round_trip_ns']}" for before, after in pairs)
+    return [para("A cache line's round trip between cores 0 and 1 (`benches/core_probe.c pair 1`), just before and "
+                 f"just after each round's decode, in ns: {each}. A few tens of ns: the two cores are close (on an AMD "
+                 "EPYC, in one core complex). A few hundred: they are far apart, and on the 2-core Zen 4 VM of "
+                 "docs/performance.md (\"The Zen 4 on 2026-12-05\") two threads then read memory faster together and "
+                 "hand work to each other more slowly, so a round's fraction of the bound falls.")]
 
 
 def md_rps(r):
