@@ -21,7 +21,7 @@ from --out):
                 of the bound and the decode runs back to back, each round's fraction against
                 its own bound; where a C compiler is found, each round's decode is bracketed
                 by a cache line's round trip between cores 0 and 1 (benches/core_probe.c), which
-                tells a VM whose two cores share a core complex from one whose cores do not.
+                tells a round whose cores sat close together from one whose cores sat far apart.
   rps           requests/s of `hrm serve` on models/sample at batch 8 (8 clients, 16 tokens each,
                 --rps-seconds) against the specification's target of 10.
   quality       models/sample (hrm_text), models/sample-moe (hrm_text_moe) and
