@@ -35,11 +35,16 @@ static double now(void) {
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
+/* An unpinned thread would measure wherever the scheduler put it, so a refusal ends the run. */
 static void pin(int cpu) {
     cpu_set_t set;
     CPU_ZERO(&set);
     CPU_SET(cpu, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    int err = pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    if (err) {
+        fprintf(stderr, "cannot pin a thread to cpu %d: %s\n", cpu, strerror(err));
+        exit(1);
+    }
 }
 
 /* --- clock --------------------------------------------------------------------------------- */
