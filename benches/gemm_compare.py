@@ -10,8 +10,9 @@ the same number of threads.
 `--threads 1` asks what one core of each does: the question for our products, which cut each
 large product into one single-threaded block per thread. `--python` is a Python with numpy and
 torch (the reference environment of tests/reference); ours is `cargo bench -p hrm-model --bench
-matmul` (its shapes are defined there), built first. Prints one Markdown row per shape: GFLOP/s
-of each side (median over the rounds) and ours as a share of the faster BLAS.
+matmul` (its shapes are defined there), built first. Each side runs in a process of its own.
+Prints one Markdown row per shape: GFLOP/s of each side (median over the rounds) and ours as a
+share of the faster BLAS.
 """
 
 import argparse
@@ -23,26 +24,29 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Run by --python: times numpy's and torch's matmul on the shapes ours printed.
+# Run by --python, once per side: times numpy's or torch's matmul on the shapes ours printed. Each
+# side has a process of its own, so that one library's threads, which spin for a while after each
+# call, never take a core from the other's calls (on 2 cores, PyTorch's first two shapes measured
+# at a quarter and two fifths of their pace behind numpy's).
 REFERENCE = r"""
 import json, sys, time
 import numpy as np
-import torch
-threads, reps = int(sys.argv[1]), int(sys.argv[2])
-torch.set_num_threads(threads)
+threads, reps, side = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+if side == "torch":
+    import torch
+    torch.set_num_threads(threads)
+    convert, mm = torch.from_numpy, torch.matmul
+else:
+    convert, mm = (lambda x: x), np.matmul
 for line in sys.stdin:
     s = json.loads(line)
-    a = np.random.standard_normal((s["batch"], s["m"], s["k"])).astype(np.float32)
-    b = np.random.standard_normal((s["batch"], s["k"], s["n"])).astype(np.float32)
-    out = {"shape": s["shape"]}
-    for side, (x, y, mm) in {"numpy": (a, b, np.matmul),
-                             "torch": (torch.from_numpy(a), torch.from_numpy(b), torch.matmul)}.items():
-        mm(x, y)
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter(); mm(x, y); times.append(time.perf_counter() - t)
-        out[side] = sorted(times)[len(times) // 2]
-    print(json.dumps(out), flush=True)
+    x = convert(np.random.standard_normal((s["batch"], s["m"], s["k"])).astype(np.float32))
+    y = convert(np.random.standard_normal((s["batch"], s["k"], s["n"])).astype(np.float32))
+    mm(x, y)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter(); mm(x, y); times.append(time.perf_counter() - t)
+    print(json.dumps({"shape": s["shape"], "seconds": sorted(times)[len(times) // 2]}), flush=True)
 """
 
 
@@ -56,11 +60,16 @@ def ours(reps, features, threads):
 
 
 def reference(python, shapes, threads, reps):
+    """{shape: {side: seconds}} for numpy and torch, each side in a process of its own."""
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
     stdin = "".join(json.dumps(s) + "\n" for s in shapes)
-    out = subprocess.run([python, "-c", REFERENCE, str(threads), str(reps)], input=stdin, env=env,
-                         check=True, capture_output=True, text=True).stdout
-    return {r["shape"]: r for r in map(json.loads, out.splitlines())}
+    results = {}
+    for side in ("numpy", "torch"):
+        out = subprocess.run([python, "-c", REFERENCE, str(threads), str(reps), side], input=stdin,
+                             env=env, check=True, capture_output=True, text=True).stdout
+        for r in map(json.loads, out.splitlines()):
+            results.setdefault(r["shape"], {})[side] = r["seconds"]
+    return results
 
 
 def main():

@@ -1,7 +1,9 @@
 //! candle's f32 matrix multiply on the shapes our models run, as one JSON line per shape
 //! (`{"shape": ..., "seconds": ...}`, the median of `--reps` calls), for
 //! `benches/gemm_compare.py` to set beside OpenBLAS (numpy) and PyTorch's CPU matmul:
-//! `cargo bench -p hrm-model --bench matmul -- --reps 20`.
+//! `cargo bench -p hrm-model --bench matmul --features avx512-gemm -- --reps 20`. Without
+//! `--features avx512-gemm` gemm has only its AVX2 kernels, also on an AVX-512 CPU; the `hrm`
+//! binary turns the feature on by default.
 //!
 //! The shapes are those of `models/sample` (hidden 256, MLP 768, vocabulary 8192, 4 heads of 64)
 //! training on micro-batches of 8 x 127 tokens, their backward products, and batch-8 decode.
