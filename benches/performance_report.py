@@ -716,10 +716,12 @@ def cores_sentence(rounds):
         return []
     each = ", ".join(f"{before['round_trip_ns']}/{after['round_trip_ns']}" for before, after in pairs)
     return [para("A cache line's round trip between cores 0 and 1 (`benches/core_probe.c pair 1`), just before and "
-                 f"just after each round's decode, in ns: {each}. A few tens of ns: the two cores are close. A few "
-                 "hundred: they are far apart (on an AMD EPYC, most likely in two core complexes), and on the 2-core "
-                 "Zen 4 VM of docs/performance.md (\"The Zen 4 on 2026-12-05\") two threads then read memory faster "
-                 "together and hand work to each other more slowly, so a round's fraction of the bound falls.")]
+                 f"just after each round's decode, in ns: {each}. On the 2-core Zen 4 VM of docs/performance.md "
+                 "(\"The Zen 4 on 2026-12-05\") every round fell into one of two kinds, 51–70 ns (the cores close) "
+                 "and 314–386 ns (far apart, most likely in two core complexes), and in the far kind two threads "
+                 "read memory faster together and hand work to each other more slowly, so a round's fraction of "
+                 "the bound falls; on an Intel Xeon of family 6 model 207, every round of 2026-12-05 read "
+                 "99–199 ns.")]
 
 
 def md_rps(r):
