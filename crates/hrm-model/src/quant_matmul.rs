@@ -98,7 +98,7 @@ const PREFETCH_AHEAD: usize = 4096;
 /// How far ahead the vector kernels ask for weights a second time, with the T2 hint (into the
 /// L2, not the L1, on the x86 cores we know of). On machine B (Intel Xeon, family 6 model 167),
 /// once its weights no longer stayed in its L3, the two cores' kernels read about 22 GB/s while
-/// they ran (derived from a profile), against 28–30 GB/s for torch's sum of as many bytes; our
+/// they ran (derived from a profile), against 25–30 GB/s for torch's sum of as many bytes; our
 /// reading is that a core's misses to the L1 overlap too little to go faster. Asking the L2 as
 /// well, this far ahead, made the GGUF's batch-1 decode there 1.03–1.14× as fast (medians of four
 /// alternating runs; 16 and 128 KiB measured alike), its batch-8 step as fast as before, and the
