@@ -95,14 +95,15 @@ const ROW_TILE: usize = 8;
 /// runs), while 1 KiB measured 1.08× at batch 8. The weights lie contiguously, so the address
 /// runs on into the next rows; past the end, a prefetch is a hint that never faults.
 const PREFETCH_AHEAD: usize = 4096;
-/// How far ahead the vector kernels ask for weights a second time, with the T2 hint (into the
-/// L2, not the L1, on the x86 cores we know of). On machine B (Intel Xeon, family 6 model 167),
-/// once its weights no longer stayed in its L3, the two cores' kernels read about 22 GB/s while
-/// they ran (derived from a profile), against 25–30 GB/s for torch's sum of as many bytes; our
-/// reading is that a core's misses to the L1 overlap too little to go faster. Asking the L2 as
-/// well, this far ahead, made the GGUF's batch-1 decode there 1.03–1.14× as fast (medians of four
-/// alternating runs; 16 and 128 KiB measured alike), its batch-8 step as fast as before, and the
-/// AVX2 kernel's batch-1 decode 1.02× (docs/performance.md).
+/// How far ahead the vector kernels ask for weights a second time, with the T2 hint: for the
+/// outer caches, not the L1 (Intel's manual leaves the level to the core; we did not measure
+/// which one fills). On machine B (Intel Xeon, family 6 model 167), once its weights no longer
+/// stayed in its L3, the two cores' kernels read about 22 GB/s while they ran (derived from a
+/// profile), against 25–30 GB/s for torch's sum of as many bytes; our reading is that a core's
+/// misses to the L1 overlap too little to go faster. This second prefetch made the GGUF's batch-1
+/// decode there 1.03–1.14× as fast (medians of four alternating runs; 16 and 128 KiB measured
+/// alike) and its batch-8 step as fast as before; the AVX2 kernel, forced on there for the
+/// measurement, gained 1.02× at batch 1. Not measured on other CPUs (docs/performance.md).
 const L2_AHEAD: usize = 32 * 1024;
 /// Lanes of the block sums (one AVX2 register of i32).
 const LANES: usize = 8;
