@@ -62,7 +62,9 @@
 //!   scales, no longer fit the sixteen registers. On an Intel Xeon with VNNI (family 6, model
 //!   167) the same order left both GGUF decode steps as they were (1.00× at batch 1, 1.02× at
 //!   batch 8), though the head's kernel alone ran 0.87× for eight rows, whose tile then spills;
-//!   every kernel keeps the one order, as the first invariant requires.
+//!   every kernel keeps the one order, as the first invariant requires. Q4_1 in two chains
+//!   there measured 1.04× at batch 1 (0.92–1.31) and 0.95× at batch 8 (0.97× with VNNI's tile
+//!   cut to four rows, whose accumulators then fit), and 0.97–0.99× on the AVX2 kernel.
 //! - Outputs differ from candle's (f16 scales, another summation order) and from the exact
 //!   product by the activations' 8-bit rounding: at most `Σ_b (d_x,b / 2) · Σ|w_b|` plus f32
 //!   rounding, which the tests check.
