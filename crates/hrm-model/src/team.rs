@@ -135,9 +135,9 @@ thread_local! {
 
 /// Grains per thread in [`grains_in_parallel`]: enough that the last one taken is a small part
 /// of a thread's share, few enough that the claims cost nothing next to the products. The output
-/// head's grains are long (3,072 rows at batch 1), yet cut to 1,024 or 512 rows they made its
-/// decode step 1.005× and 0.983× as fast on an Intel Xeon (family 6 model 167;
-/// docs/performance.md).
+/// head's grains are long (3,072 rows on two threads at batch 1), yet cut to 1,024 or 512 rows
+/// they made a GGUF's decode step 1.005× and 0.983× as fast on an Intel Xeon (family 6 model
+/// 167; docs/performance.md).
 const GRAINS_PER_THREAD: usize = 8;
 
 /// The unclaimed grains `lo..hi` of one thread's run, packed in one atomic so that its owner
