@@ -10,6 +10,9 @@
 //! 167; docs/performance.md), within the runs' spread. By our reading, a call's cost is mostly
 //! the lines that its work and its claims pass between the cores, not candle's bookkeeping.
 //!
+//! While another process keeps the team's other threads from their cores, each call would wait
+//! for them; calls then run on the calling thread alone for a while ([`HeldUp`]).
+//!
 //! A product's columns go out in grains ([`grains_in_parallel`]): each thread works a run of
 //! consecutive grains in order, so its weights stream, and then helps from the back of another
 //! thread's run; a compare-and-swap on the run's bounds gives every grain to exactly one thread.
@@ -24,6 +27,7 @@ use std::cell::Cell;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock, PoisonError};
+use std::time::Instant;
 
 /// Columns that [`columns_in_parallel`] moves into the output together: a 64-byte line of
 /// each row.
@@ -111,7 +115,7 @@ fn grains_in_parallel(count: usize, work: impl Fn(usize) + Sync) {
     // One item per run: whichever thread takes an item works that run from the front, then
     // helps the others from their backs. A thread that takes two items (its partner started
     // late) works both, and nested calls run every item on the calling thread.
-    candle_core::utils::barrier_pool().execute_chunked(threads, |items| {
+    share_out(threads, |items| {
         for own in items {
             while let Some(g) = runs[own].take_front() {
                 work(g);
@@ -124,6 +128,131 @@ fn grains_in_parallel(count: usize, work: impl Fn(usize) + Sync) {
         }
     });
     SPARE_RUNS.set(runs);
+}
+
+/// `work` over the items `0..items` in ranges, on candle's team (its `execute_chunked`, which
+/// hands the ranges out from a shared cursor), or all of them on the calling thread while the
+/// team is held up ([`HeldUp`]).
+pub(crate) fn share_out(items: usize, work: impl Fn(Range<usize>) + Sync) {
+    if items == 0 {
+        return;
+    }
+    if HELD_UP.solo(|| HELD_UP.now()) {
+        work(0..items);
+        return;
+    }
+    let team = candle_core::utils::barrier_pool();
+    let calls = CALLS.get().wrapping_add(1);
+    CALLS.set(calls);
+    if !calls.is_multiple_of(HeldUp::TIME_EVERY) {
+        team.execute_chunked(items, work);
+        return;
+    }
+    let start = HELD_UP.now();
+    let own_end = AtomicU64::new(start);
+    let was_calling = CALLING.replace(true);
+    team.execute_chunked(items, |range| {
+        work(range);
+        if CALLING.get() {
+            own_end.store(HELD_UP.now(), Ordering::Relaxed);
+        }
+    });
+    CALLING.set(was_calling);
+    HELD_UP.record(start, own_end.load(Ordering::Relaxed), HELD_UP.now());
+}
+
+thread_local! {
+    /// Whether this thread is the one that called [`share_out`] (its own ranges are timed).
+    static CALLING: Cell<bool> = const { Cell::new(false) };
+    /// This thread's calls of [`share_out`] on the team, of which every
+    /// [`HeldUp::TIME_EVERY`]th is timed.
+    static CALLS: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Whether the team's other threads are held up by other work on the machine, judged by how long
+/// the calling thread waits for them after its own part of a call.
+///
+/// A call of candle's team returns only once every thread of the team has taken part. Where
+/// another process keeps a core busy, the kernel runs one of the team's threads only now and
+/// then, and every call waits for it: beside one busy process on a 2-core machine, a GGUF's
+/// batch-1 decode ran at 65–67 tok/s on two threads against 145 on one (docs/performance.md).
+/// So a call whose calling thread waited long, both against its own part and in time, sends
+/// the calls after it to the calling thread alone for a window; the first call after the window
+/// goes to the team again, and another long wait doubles the window.
+///
+/// On an idle machine the calling thread waits about a grain of the other thread's at most (an
+/// eighth of its own part), so no window opens but for a VM's rare longer pause of a core.
+///
+/// Its fields share a line pair of their own, read at every call and written only when a window
+/// opens or closes, so that no other value written often sits on their line.
+#[repr(align(128))]
+struct HeldUp {
+    /// The end of the window, in [`Self::now`]; 0 when none is open.
+    until: AtomicU64,
+    /// The last window's length, in ns; 0 after a call that did not wait long.
+    window: AtomicU64,
+    /// What [`Self::now`] counts from.
+    start: OnceLock<Instant>,
+}
+
+static HELD_UP: HeldUp = HeldUp::new();
+
+impl HeldUp {
+    /// A wait after the calling thread's own part that opens a window. On an idle 2-core VM
+    /// (an Intel Xeon, family 6 model 167) waits of 0.2–0.4 ms came a few times a second, and
+    /// of 1–4 ms two or three times in a GGUF's run of a few seconds; beside a busy process,
+    /// the first long wait was 2.2 ms.
+    const LONG_WAIT_NS: u64 = 1_000_000;
+    /// A wait that opens a window where the calling thread did none of the call's work: beside
+    /// a busy process, every first call after a window ran so and waited 0.35–0.6 ms.
+    const MISSED_NS: u64 = 100_000;
+    /// One call in this many is timed: timing every call made a GGUF's batch-1 decode
+    /// 0.979–0.992× as fast on the idle VM above, and where the team is held up, most calls
+    /// wait long.
+    const TIME_EVERY: u32 = 8;
+    const FIRST_WINDOW_NS: u64 = 2_000_000;
+    const LONGEST_WINDOW_NS: u64 = 256_000_000;
+
+    const fn new() -> Self {
+        Self {
+            until: AtomicU64::new(0),
+            window: AtomicU64::new(0),
+            start: OnceLock::new(),
+        }
+    }
+
+    /// Nanoseconds since the first time this was asked.
+    fn now(&self) -> u64 {
+        self.start.get_or_init(Instant::now).elapsed().as_nanos() as u64
+    }
+
+    /// Whether calls run on the calling thread alone now; reads the clock only inside a window.
+    fn solo(&self, now: impl Fn() -> u64) -> bool {
+        let until = self.until.load(Ordering::Relaxed);
+        until != 0 && now() < until
+    }
+
+    /// A team call that started at `start`, whose calling thread finished its own part at
+    /// `own_end`, and that returned at `end`.
+    fn record(&self, start: u64, own_end: u64, end: u64) {
+        let (own, wait) = (own_end.saturating_sub(start), end.saturating_sub(own_end));
+        let held_up = if own == 0 {
+            // The calling thread did none of the call's work: by our reading, the kernel ran
+            // the thread it woke (after a window, the other thread sleeps) in its place.
+            wait > Self::MISSED_NS
+        } else {
+            wait > Self::LONG_WAIT_NS && wait > own / 4
+        };
+        if held_up {
+            let last = self.window.load(Ordering::Relaxed);
+            let window = (2 * last).clamp(Self::FIRST_WINDOW_NS, Self::LONGEST_WINDOW_NS);
+            self.window.store(window, Ordering::Relaxed);
+            self.until.store(end + window, Ordering::Relaxed);
+        } else if self.window.load(Ordering::Relaxed) != 0 {
+            self.window.store(0, Ordering::Relaxed);
+            self.until.store(0, Ordering::Relaxed);
+        }
+    }
 }
 
 /// The team's threads, the calling thread included.
@@ -204,14 +333,9 @@ pub(crate) fn chunks_in_parallel<T: Send>(
         fill(0, out);
         return;
     }
-    let team = candle_core::utils::barrier_pool();
-    let per_run = out
-        .len()
-        .div_ceil(len)
-        .div_ceil((team.n_workers() + 1) * 8)
-        .max(1);
+    let per_run = out.len().div_ceil(len).div_ceil(threads() * 8).max(1);
     let runs: Vec<Mutex<&mut [T]>> = out.chunks_mut(len * per_run).map(Mutex::new).collect();
-    team.execute_chunked(runs.len(), |range| {
+    share_out(runs.len(), |range| {
         for r in range {
             let mut run = runs[r].lock().unwrap_or_else(PoisonError::into_inner);
             for (j, chunk) in run.chunks_mut(len).enumerate() {
@@ -227,7 +351,7 @@ pub(crate) fn map_in_parallel<T: Send + Sync>(
     make: impl Fn(usize) -> T + Sync,
 ) -> Vec<T> {
     let slots: Vec<OnceLock<T>> = (0..n).map(|_| OnceLock::new()).collect();
-    candle_core::utils::barrier_pool().execute_chunked(n, |range| {
+    share_out(n, |range| {
         for i in range {
             // Each index is in exactly one range, so its slot is empty here.
             let _ = slots[i].set(make(i));
@@ -281,6 +405,83 @@ mod tests {
         assert!(out.iter().enumerate().all(|(e, v)| *v == e as f32));
         let made = map_in_parallel(1000, |i| i * 3);
         assert!(made.iter().enumerate().all(|(i, v)| *v == i * 3));
+    }
+
+    /// Every kind of call once, each output a function of its place.
+    fn each_kind_of_call() -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<usize>) {
+        let place = |columns: Range<usize>, block: &mut [f32]| {
+            let rows = block.len() / columns.len();
+            for (c, j) in columns.enumerate() {
+                for i in 0..rows {
+                    block[c * rows + i] = (i * 7919 + j) as f32;
+                }
+            }
+        };
+        let mut chunks = vec![0f32; 1003];
+        chunks_in_parallel(&mut chunks, 10, |chunk, values| {
+            for (k, v) in values.iter_mut().enumerate() {
+                *v = (chunk * 10 + k) as f32;
+            }
+        });
+        (
+            row_in_parallel(49_152, place),
+            columns_in_parallel(3, 1000, place),
+            chunks,
+            map_in_parallel(1000, |i| i * 3),
+        )
+    }
+
+    #[test]
+    fn calls_give_the_same_on_the_calling_thread_alone() {
+        let on_the_team = each_kind_of_call();
+        // A window that no later call closes (other tests may still shorten it: then some of
+        // these calls go to the team, which gives the same values).
+        HELD_UP.window.store(0, Ordering::Relaxed);
+        HELD_UP.until.store(u64::MAX, Ordering::Relaxed);
+        let alone = each_kind_of_call();
+        HELD_UP.until.store(0, Ordering::Relaxed);
+        assert_eq!(alone, on_the_team);
+    }
+
+    #[test]
+    fn a_long_wait_sends_calls_to_the_calling_thread_for_a_doubling_window() {
+        const MS: u64 = 1_000_000;
+        let held = HeldUp::new();
+        assert!(!held.solo(|| unreachable!("no window open, so no clock read")));
+        // No window for: a wait over 1 ms but under a quarter of the calling thread's own part
+        // (a grain of the other thread's, on an idle machine); a wait under 1 ms after a short
+        // part; a call that ran all elsewhere but waited under 100 µs.
+        held.record(0, 8 * MS, 9 * MS + 500_000);
+        held.record(10 * MS, 10 * MS + 1_000, 10 * MS + 900_000);
+        held.record(11 * MS, 11 * MS, 11 * MS + 50_000);
+        assert!(!held.solo(|| unreachable!()));
+        // A short part and a long wait: the first window.
+        held.record(10 * MS, 10 * MS + 20_000, 13 * MS);
+        assert!(held.solo(|| 14 * MS));
+        assert!(!held.solo(|| 15 * MS));
+        // The call after it waits long again: twice the window.
+        held.record(15 * MS, 15 * MS + 20_000, 18 * MS);
+        assert!(held.solo(|| 21 * MS));
+        assert!(!held.solo(|| 22 * MS));
+        // Doubling stops at the longest window.
+        let mut at = 22 * MS;
+        for _ in 0..20 {
+            held.record(at, at + 20_000, at + 3 * MS);
+            at += 3 * MS + HeldUp::LONGEST_WINDOW_NS;
+        }
+        assert_eq!(
+            held.window.load(Ordering::Relaxed),
+            HeldUp::LONGEST_WINDOW_NS
+        );
+        // A call that did not wait long closes the window.
+        held.record(at, at + 20_000, at + 30_000);
+        assert!(!held.solo(|| unreachable!()));
+        held.record(at, at + 20_000, at + 3 * MS);
+        assert_eq!(held.window.load(Ordering::Relaxed), HeldUp::FIRST_WINDOW_NS);
+        // A call whose calling thread did none of the work and then waited opens one too.
+        held.record(at, at + 20_000, at + 30_000);
+        held.record(at, at, at + 400_000);
+        assert!(held.solo(|| at + 400_000 + MS));
     }
 
     #[test]

@@ -1225,7 +1225,7 @@ unsafe fn gemm_stacked_at(dst: *mut f32, products: &[Product], accumulate: bool)
         if blocks.len() <= 1 {
             blocks.into_iter().for_each(run);
         } else {
-            team.execute_chunked(blocks.len(), |range| range.for_each(|i| run(blocks[i])));
+            crate::team::share_out(blocks.len(), |range| range.for_each(|i| run(blocks[i])));
         }
     }
 }
@@ -1358,7 +1358,7 @@ unsafe fn gemm_at(
         match cut.blocks() {
             0 => {}
             1 => cut.run(0, dst.ptr(), a, b, scale),
-            blocks => team.execute_chunked(blocks, |range| {
+            blocks => crate::team::share_out(blocks, |range| {
                 for index in range {
                     cut.run(index, dst.ptr(), a, b, scale);
                 }
