@@ -177,8 +177,8 @@ thread_local! {
 /// then, and every call waits for it: beside one busy process on a 2-core machine, a GGUF's
 /// batch-1 decode ran at 65–67 tok/s on two threads against 145 on one (docs/performance.md).
 /// So a call whose calling thread waited long, both against its own part and in time, sends
-/// the calls after it to the calling thread alone for a window; the first call after the window
-/// goes to the team again, and another long wait doubles the window.
+/// the calls after it to the calling thread alone for a window. After the window, calls go to
+/// the team again; another long wait doubles the window, and a short one closes it.
 ///
 /// On an idle machine the calling thread waits about a grain of the other thread's at most (an
 /// eighth of its own part), so no window opens but for a VM's rare longer pause of a core.
