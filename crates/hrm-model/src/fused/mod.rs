@@ -1193,8 +1193,7 @@ type Product<'a> = (Strided<'a>, Strided<'a>, (usize, usize, usize));
 /// `dst` must be valid for writes of the products' values, which nothing else reads or writes
 /// meanwhile; with `accumulate`, they must be initialised.
 unsafe fn gemm_stacked_at(dst: *mut f32, products: &[Product], accumulate: bool) {
-    let team = candle_core::utils::barrier_pool();
-    let parts = team.n_workers() + 1;
+    let parts = crate::team::threads();
     let mut cuts = Vec::with_capacity(products.len());
     let mut at = 0;
     for &(_, b, dims) in products {
@@ -1350,8 +1349,7 @@ unsafe fn gemm_at(
     accumulate: bool,
     split: Split,
 ) {
-    let team = candle_core::utils::barrier_pool();
-    let cut = Cut::new(b, dims, accumulate, split, team.n_workers() + 1);
+    let cut = Cut::new(b, dims, accumulate, split, crate::team::threads());
     let dst = SharedOut(dst);
     // SAFETY: the caller vouches for `dst`; the blocks tile it.
     unsafe {
